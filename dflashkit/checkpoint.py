@@ -35,7 +35,7 @@ _OWN_KEYS = {
     "block_size", "dflash_config", "rms_norm_eps", "rope_theta", "rope_parameters",
     "rope_scaling", "max_position_embeddings", "layer_types", "sliding_window",
     "use_sliding_window", "hidden_act", "attention_bias", "tie_word_embeddings",
-    "max_window_layers",
+    "max_window_layers", "attention_dropout", "dtype", "torch_dtype",
 }
 
 

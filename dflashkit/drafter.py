@@ -10,7 +10,7 @@ so checkpoints load there, in SGLang and in vLLM unchanged (see ``checkpoint.py`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -206,6 +206,10 @@ class DFlashDrafter(nn.Module):
         return self.config.mask_token_id
 
     @property
+    def is_untrained(self) -> bool:
+        return self.config.extra.get("dflashkit", {}).get("trained") is False
+
+    @property
     def target_layer_ids(self) -> list[int]:
         return list(self.config.target_layer_ids)
 
@@ -298,7 +302,8 @@ def config_for_target(target, num_layers: int = 1, block_size: int = 16,
 
 
 def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
-    """A freshly (seeded, reproducibly) initialised drafter."""
+    """A freshly (seeded, reproducibly) initialised drafter, marked untrained in its config."""
+    cfg = replace(cfg, extra={**cfg.extra, "dflashkit": {"trained": False, "init_seed": seed}})
     model = DFlashDrafter(cfg)
     model.reset_parameters(generator=torch.Generator().manual_seed(seed))
     return model

@@ -1,0 +1,69 @@
+"""Plain decoding with Hugging Face ``generate``: the baseline users compare against."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from .sampling import SamplingConfig
+from .target import Target
+
+
+@dataclass
+class BaselineResult:
+    tokens: list[int]
+    prefill_s: float   # time to first token
+    decode_s: float    # after the first token
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.tokens) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+class _FirstTokenClock(BaseStreamer):
+    """Timestamps the first generated token (generate's first put() is the prompt)."""
+
+    def __init__(self):
+        self.puts, self.first_token_at = 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2 and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+@torch.inference_mode()
+def hf_generate(target: Target, input_ids: list[int], max_new_tokens: int,
+                sampling: SamplingConfig | None = None,
+                stop_token_ids: list[int] | None = None,
+                **generate_kwargs) -> BaselineResult:
+    """``model.generate`` on one prompt, timed as prefill and decode like our loop."""
+    sampling = sampling or SamplingConfig()
+    ids = torch.tensor([input_ids], device=target.device)
+    stops = target.stop_token_ids() if stop_token_ids is None else stop_token_ids
+    kwargs = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if not sampling.greedy:
+        kwargs = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                      top_k=sampling.top_k or None)
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+    clock = _FirstTokenClock()
+    t0 = time.perf_counter()
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                eos_token_id=stops or None, pad_token_id=target.pad_token_id() or 0,
+                                streamer=clock, **kwargs, **generate_kwargs)
+    end = time.perf_counter()
+    tokens = out[0, len(input_ids):].tolist()
+    for i, t in enumerate(tokens):  # generate pads after EOS only in batches; be exact anyway
+        if t in stops:
+            tokens = tokens[:i + 1]
+            break
+    first = clock.first_token_at or end
+    return BaselineResult(tokens=tokens, prefill_s=first - t0, decode_s=end - first)

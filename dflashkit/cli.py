@@ -1,0 +1,234 @@
+"""The ``dflashkit`` command line: models, drafter, generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def shipped_drafter(target_name: str) -> Path | None:
+    """The drafter committed under checkpoints/ for a registry target, if there is one."""
+    path = REPO_ROOT / "checkpoints" / target_name
+    return path if (path / "config.json").exists() else None
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+# --- models ---------------------------------------------------------------------------------
+
+def cmd_models_prepare(args) -> int:
+    from .models import prepare_model
+    for name in args.names:
+        print(prepare_model(name, progress=not args.quiet))
+    return 0
+
+
+def cmd_models_list(args) -> int:
+    from .models import list_models
+    for entry in list_models():
+        state = "prepared" if entry.prepared else "not prepared"
+        print(f"{entry.spec.name:32s} {state:13s} {entry.path or ''}")
+    return 0
+
+
+# --- drafter --------------------------------------------------------------------------------
+
+def cmd_drafter_init(args) -> int:
+    from .checkpoint import save_drafter
+    from .drafter import config_for_target, init_drafter
+    from .target import load_target
+    target = load_target(args.target)
+    ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    cfg = config_for_target(target, num_layers=args.layers, block_size=args.block_size,
+                            target_layer_ids=ids, mask_token_id=args.mask_token_id,
+                            intermediate_size=args.intermediate_size)
+    out = save_drafter(init_drafter(cfg, seed=args.seed), args.out)
+    print(f"wrote an UNTRAINED drafter to {out}: {cfg.num_hidden_layers} layer(s), block size "
+          f"{cfg.block_size}, target layers {cfg.target_layer_ids}, mask id {cfg.mask_token_id}")
+    return 0
+
+
+def cmd_drafter_info(args) -> int:
+    from .checkpoint import load_drafter
+    model = load_drafter(args.path)
+    cfg = model.config
+    n = sum(p.numel() for p in model.parameters())
+    print(json.dumps({"path": str(args.path), "parameters": n, "hidden_size": cfg.hidden_size,
+                      "num_hidden_layers": cfg.num_hidden_layers, "block_size": cfg.block_size,
+                      "num_target_layers": cfg.num_target_layers,
+                      "target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id},
+                     indent=2))
+    return 0
+
+
+# --- generate -------------------------------------------------------------------------------
+
+class _TerminalStream:
+    """Prints text as tokens are committed; drafted tokens in green on a terminal."""
+
+    def __init__(self, target, color: bool):
+        self.target, self.color, self.ids, self.shown = target, color, [], ""
+
+    def __call__(self, new_ids: list[int], from_draft: int) -> None:
+        self.ids += new_ids
+        text = self.target.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        delta, self.shown = text[len(self.shown):], text
+        if self.color and from_draft:
+            delta = f"\033[32m{delta}\033[0m"
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+
+def cmd_generate(args) -> int:
+    from .baselines import hf_generate
+    from .checkpoint import load_drafter
+    from .decoding import speculative_generate
+    from .sampling import SamplingConfig
+    from .target import load_target
+
+    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
+    drafter_path = args.drafter or shipped_drafter(args.target)
+    if args.block_size != 1 and drafter_path is None:
+        raise ValueError(f"no drafter for {args.target}: pass --drafter DIR (make one with "
+                         f"`dflashkit drafter init --target {args.target} --out DIR`) or use "
+                         f"--block-size 1 for plain decoding")
+    target = load_target(args.target, progress=not args.json)
+    drafter = load_drafter(drafter_path) if args.block_size != 1 else None
+    if drafter is not None and drafter.is_untrained:
+        print(f"note: {drafter_path} is an UNTRAINED (freshly initialised) drafter: its proposals are "
+              "almost never accepted, so expect a slowdown; the output is still the target's own.",
+              file=sys.stderr)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    ids = target.encode_prompt(prompt, chat=not args.raw)
+    stops = target.stop_token_ids() + list(args.stop_id or [])
+    stream = None if args.json else _TerminalStream(target, sys.stdout.isatty())
+    result = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
+                                  sampling=sampling, stop_token_ids=stops, block_size=args.block_size,
+                                  acceptance=args.acceptance, on_commit=stream)
+    st = result.stats
+    report = {
+        "target": args.target, "drafter": str(drafter_path) if drafter is not None else None,
+        "prompt_tokens": len(ids), "tokens": result.tokens, "text": target.decode(result.tokens),
+        "stop_reason": result.stop_reason, **st.to_dict(),
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+    }
+    if args.compare:
+        plain = speculative_generate(target, None, ids, max_new_tokens=args.max_new_tokens,
+                                     sampling=sampling, stop_token_ids=stops, block_size=1)
+        hf = hf_generate(target, ids, args.max_new_tokens, sampling, stops)
+        report["compare"] = {
+            "hf_generate": {"tokens_per_s": hf.decode_tokens_per_s, "prefill_s": hf.prefill_s,
+                            "identical": hf.tokens == result.tokens, "num_tokens": len(hf.tokens)},
+            "ar_loop": {"tokens_per_s": plain.decode_tokens_per_s, "prefill_s": plain.stats.prefill_s,
+                        "identical": plain.tokens == result.tokens, "num_tokens": len(plain.tokens)},
+            "speedup_vs_hf_generate": _ratio(result.decode_tokens_per_s, hf.decode_tokens_per_s),
+            "speedup_vs_ar_loop": _ratio(result.decode_tokens_per_s, plain.decode_tokens_per_s),
+        }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print("\n")
+    print(f"tokens: {len(result.tokens)} ({result.stop_reason})   tau: {st.tau:.2f}   "
+          f"decode: {result.decode_tokens_per_s:.2f} tok/s   prefill: {st.prefill_s:.2f}s   "
+          f"draft: {st.draft_s:.2f}s   verify: {st.verify_s:.2f}s")
+    if args.compare:
+        c = report["compare"]
+        greedy = sampling.greedy
+        for name, key in (("HF generate", "hf_generate"), ("plain loop (B=1)", "ar_loop")):
+            same = ("identical tokens" if c[key]["identical"] else "DIFFERENT TOKENS") if greedy else \
+                "sampling: tokens differ by design (distributions are tested instead)"
+            print(f"{name:17s} {c[key]['tokens_per_s']:.2f} tok/s -> speedup "
+                  f"{c['speedup_vs_' + key]:.2f}x   {same}")
+        if greedy and not (c["hf_generate"]["identical"] and c["ar_loop"]["identical"]):
+            print("error: speculative output differs from the target's own greedy output", file=sys.stderr)
+            return 3
+    return 0
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflashkit", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="real target models, offline").add_subparsers(
+        dest="models_command", required=True)
+    prep = models.add_parser("prepare", help="install, assemble, verify and convert a model")
+    prep.add_argument("names", nargs="+", metavar="NAME")
+    prep.add_argument("--quiet", action="store_true")
+    prep.set_defaults(func=cmd_models_prepare)
+    models.add_parser("list", help="known models and whether they are prepared").set_defaults(
+        func=cmd_models_list)
+
+    drafter = sub.add_parser("drafter", help="create or inspect drafters").add_subparsers(
+        dest="drafter_command", required=True)
+    init = drafter.add_parser("init", help="write a freshly initialised (untrained) drafter")
+    init.add_argument("--target", required=True, help="model name or local Hugging Face folder")
+    init.add_argument("--out", required=True, type=Path)
+    init.add_argument("--layers", type=_positive_int, default=1, help="drafter layers (default 1)")
+    init.add_argument("--block-size", type=_positive_int, default=16)
+    init.add_argument("--target-layer-ids", help="comma-separated target layer ids (default: paper spread)")
+    init.add_argument("--mask-token-id", type=int, help="default: first unused embedding row")
+    init.add_argument("--intermediate-size", type=_positive_int, help="default: the target's")
+    init.add_argument("--seed", type=int, default=0)
+    init.set_defaults(func=cmd_drafter_init)
+    info = drafter.add_parser("info", help="validate a drafter folder and print its shape")
+    info.add_argument("path", type=Path)
+    info.set_defaults(func=cmd_drafter_info)
+
+    gen = sub.add_parser("generate", help="generate text with speculative decoding")
+    gen.add_argument("--target", required=True, help="model name or local Hugging Face folder")
+    gen.add_argument("--drafter", type=Path, help="drafter folder (default: the shipped one)")
+    gen.add_argument("--prompt", required=True, help="prompt text, or - to read stdin")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--block-size", type=_positive_int, help="tokens per verify (1 = plain decoding)")
+    gen.add_argument("--acceptance", choices=["match", "rejection"], default="match",
+                     help="sampling acceptance rule (both lossless)")
+    gen.add_argument("--stop-id", type=int, action="append", help="extra stop token id (repeatable)")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run plain decoding (HF generate and our loop with B=1)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    gen.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .checkpoint import CheckpointError
+    from .target import TargetError
+    known: tuple[type[BaseException], ...] = (CheckpointError, TargetError, ValueError, FileNotFoundError)
+    try:
+        from .models import ModelPrepareError
+        known += (ModelPrepareError,)
+    except ImportError:
+        pass
+    try:
+        return args.func(args)
+    except known as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
