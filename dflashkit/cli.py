@@ -156,6 +156,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from .pipeline import load_config, run_data_stage
+    cfg = load_config(args.config)
+    stages = args.stages.split(",")
+    if "data" in stages:
+        run_data_stage(cfg)
+    return 0
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
@@ -207,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run plain decoding (HF generate and our loop with B=1)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(func=cmd_generate)
+    train = sub.add_parser("train", help="run the training pipeline of a YAML config")
+    train.add_argument("--config", required=True, type=Path)
+    train.add_argument("--stages", default="data,train,export", help="comma-separated subset")
+    train.set_defaults(func=cmd_train)
     return p
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +52,7 @@ class Target:
         self.name = name
         self.config = model.config
         self.layers = _decoder_layers(model)
-        self._capture_ids: list[int] = []
-        self._captured: dict[int, torch.Tensor] = {}
+        self._captured: dict[int, list[torch.Tensor]] = {}
         for j, layer in enumerate(self.layers):
             layer.register_forward_hook(self._make_hook(j))
 
@@ -129,9 +129,23 @@ class Target:
     # --- forward -------------------------------------------------------------------------
     def _make_hook(self, j: int):
         def hook(_module, _inputs, output):
-            if j in self._capture_ids:
-                self._captured[j] = output[0] if isinstance(output, tuple) else output
+            store = self._captured.get(j)
+            if store is not None:
+                store.append(output[0] if isinstance(output, tuple) else output)
         return hook
+
+    @contextmanager
+    def capturing(self, layer_ids: list[int] | None):
+        """Collect the outputs of ``layer_ids`` for every forward pass run inside the block.
+
+        Yields ``{layer_id: [tensor per forward call]}``; nothing else is kept.
+        """
+        self.check_layer_ids(list(layer_ids or []))
+        self._captured = {j: [] for j in layer_ids or []}
+        try:
+            yield self._captured
+        finally:
+            self._captured = {}
 
     def check_layer_ids(self, layer_ids: list[int]) -> None:
         bad = [j for j in layer_ids if not 0 <= j < self.num_layers]
@@ -156,16 +170,12 @@ class Target:
             raise TargetError(f"sequence of {start + q} tokens exceeds the target's context "
                               f"({self.max_positions}); shorten the prompt or max_new_tokens")
         positions = torch.arange(start, start + q, device=input_ids.device).expand(b, q)
-        self._capture_ids = list(capture or [])
-        self._captured = {}
-        try:
+        layer_ids = list(capture or [])
+        with self.capturing(layer_ids) as store:
             out = self.model(input_ids=input_ids, position_ids=positions, cache=cache,
                              use_cache=cache is not None, logits_to_keep=1 if last_only else 0,
                              attention_mask=attention_mask)
-            feats = (torch.cat([self._captured[j] for j in self._capture_ids], dim=-1)
-                     if self._capture_ids else None)
-        finally:
-            self._capture_ids, self._captured = [], {}
+            feats = torch.cat([store[j][-1] for j in layer_ids], dim=-1) if layer_ids else None
         return TargetOutput(logits=out.logits, features=feats)
 
     @staticmethod

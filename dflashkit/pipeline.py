@@ -1,0 +1,79 @@
+"""``dflashkit train --config``: data -> features -> training -> export, stage by stage.
+
+Each stage writes its outputs under ``run_dir`` and is skipped when they are complete, so
+rerunning the same command after an interruption resumes where the work stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from .regenerate import DataConfig
+
+
+class ConfigError(ValueError):
+    """A training config that cannot be run as written."""
+
+
+def _build(cls, raw: dict | None, where: str):
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown}; known keys: {sorted(known)}")
+    return cls(**raw)
+
+
+@dataclass
+class PipelineConfig:
+    target: str
+    run_dir: str
+    data: DataConfig = field(default_factory=DataConfig)
+    raw: dict = field(default_factory=dict)
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.run_dir) / "data"
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such config file (see configs/ for examples)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    for key in ("target", "run_dir"):
+        if key not in raw:
+            raise ConfigError(f"{path}: missing required key {key!r}")
+    extra = sorted(set(raw) - {"target", "run_dir", "data", "drafter", "train"})
+    if extra:
+        raise ConfigError(f"{path}: unknown top-level keys {extra}")
+    cfg = PipelineConfig(target=raw["target"], run_dir=raw["run_dir"],
+                         data=_build(DataConfig, raw.get("data"), f"{path}: data"), raw=raw)
+    cfg.data.out_dir = str(cfg.data_dir)
+    return cfg
+
+
+def run_data_stage(cfg: PipelineConfig, target=None, progress: bool = True) -> Path:
+    from .prompts import training_prompts
+    from .regenerate import regenerate
+    from .target import load_target
+    meta = cfg.data_dir / "meta.json"
+    if meta.exists():
+        print(f"data: complete ({json.loads(meta.read_text())['num_samples']} samples) in {cfg.data_dir}")
+        return cfg.data_dir
+    target = target or load_target(cfg.target, progress=progress)
+    if not cfg.data.feature_layers:
+        from .drafter import default_target_layer_ids
+        cfg.data.feature_layers = default_target_layer_ids(target.num_layers, 5)
+    d = cfg.data
+    prompts = training_prompts(d.num_code, d.num_math, d.num_chat, seed=d.seed)
+    return regenerate(target, prompts, d, progress=progress)

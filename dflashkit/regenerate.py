@@ -1,0 +1,178 @@
+"""Training data from the target itself: regenerate responses and keep their features.
+
+The drafter must predict the TARGET's continuation, so every assistant response is produced
+by the target (greedy, non-thinking, its own chat template). Target passes dominate the cost
+on a CPU, so the hidden states of the drafter's layers are captured during that same
+generation (one pass serves both) and stored beside the tokens:
+
+    OUT/samples.jsonl        one record per sample: ids, prompt length, source, shard
+    OUT/features/NNNNNN.safetensors   per-sample features [num_tokens - 1, K*H] (bf16)
+    OUT/meta.json            target, layer ids, counts (written when the stage completes)
+
+Writes are resumable: a shard is written atomically BEFORE its records are appended (and
+fsynced), so after any interruption a record always has its features, an orphaned shard is
+simply rewritten, and a rerun continues with the prompts that have no record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .target import Target
+
+
+@dataclass
+class DataConfig:
+    out_dir: str = "runs/data"
+    num_code: int = 600
+    num_math: int = 300
+    num_chat: int = 300
+    seed: int = 0
+    max_prompt_tokens: int = 640
+    max_new_tokens: int = 320
+    batch_size: int = 8
+    feature_layers: list[int] = field(default_factory=list)  # default: paper spread of 5
+    store_features: bool = True
+
+
+def read_samples(out_dir: str | Path) -> list[dict]:
+    """Complete records of samples.jsonl (a torn last line from a crash is ignored)."""
+    path = Path(out_dir) / "samples.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def _repair_tail(path: Path) -> None:
+    """Cut a torn final line so appends start on a clean line."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
+def _atomic_save(tensors: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+class FeatureStore:
+    """Read per-sample features from the shards (opened lazily, kept open)."""
+
+    def __init__(self, out_dir: str | Path):
+        self.dir = Path(out_dir) / "features"
+        self._handles: dict[str, object] = {}
+
+    def get(self, record: dict) -> torch.Tensor:
+        shard = record["shard"]
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self.dir / shard), framework="pt")
+        return self._handles[shard].get_tensor(record["id"])
+
+
+@torch.inference_mode()
+def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, stops: list[int]):
+    """Left-padded batched greedy generation; returns per-row (response ids, features)."""
+    pad = target.pad_token_id() or 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    layers = cfg.feature_layers
+    with target.capturing(layers if cfg.store_features else []) as store:
+        out = target.model.generate(ids, attention_mask=mask, do_sample=False, temperature=None,
+                                    top_p=None, top_k=None, max_new_tokens=cfg.max_new_tokens,
+                                    eos_token_id=stops, pad_token_id=pad)
+        feats = (torch.cat([torch.cat(store[j], dim=1) for j in layers], dim=-1)
+                 if cfg.store_features else None)
+    rows = []
+    for i, p in enumerate(prompts):
+        resp = out[i, width:].tolist()
+        for k, t in enumerate(resp):
+            if t in stops:
+                resp = resp[:k + 1]
+                break
+        n = len(p) + len(resp)
+        f = None
+        if feats is not None:   # features of tokens 0 .. n-2 (the last token is never fed)
+            start = width - len(p)
+            f = feats[i, start:start + n - 1].to(torch.bfloat16).clone()
+        rows.append((resp, f))
+    return rows
+
+
+def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: bool = True) -> Path:
+    """Run (or resume) the data stage; returns the output folder."""
+    out = Path(cfg.out_dir)
+    (out / "features").mkdir(parents=True, exist_ok=True)
+    samples_path = out / "samples.jsonl"
+    _repair_tail(samples_path)
+    done = read_samples(out)
+    done_ids = {r["id"] for r in done}
+    shard_index = 1 + max((int(r["shard"].split(".")[0]) for r in done if r.get("shard")), default=-1)
+    stops = target.stop_token_ids()
+    todo = []
+    for p in prompts:
+        if p["id"] in done_ids:
+            continue
+        ids = target.encode_prompt(p["messages"])
+        if len(ids) <= cfg.max_prompt_tokens:
+            todo.append((p, ids))
+    bar = tqdm(total=len(todo), disable=not progress, desc="regenerate", unit="sample")
+    tokens, t0 = 0, time.perf_counter()
+    window = cfg.batch_size * 4  # sort a small window by length: less padding, same mix
+    with samples_path.open("a") as log:
+        for w in range(0, len(todo), window):
+            chunk = sorted(todo[w:w + window], key=lambda x: len(x[1]))
+            for b in range(0, len(chunk), cfg.batch_size):
+                batch = chunk[b:b + cfg.batch_size]
+                rows = _generate_batch(target, [ids for _, ids in batch], cfg, stops)
+                shard = f"{shard_index:06d}.safetensors"
+                if cfg.store_features:
+                    _atomic_save({p["id"]: f for (p, _), (_, f) in zip(batch, rows)},
+                                 out / "features" / shard)
+                for (p, ids), (resp, _) in zip(batch, rows):
+                    rec = {"id": p["id"], "source": p["source"], "kind": p["kind"],
+                           "input_ids": ids + resp, "prompt_len": len(ids),
+                           "finished": bool(resp) and resp[-1] in stops,
+                           "shard": shard if cfg.store_features else None}
+                    log.write(json.dumps(rec) + "\n")
+                    tokens += len(resp)
+                log.flush()
+                os.fsync(log.fileno())
+                shard_index += 1
+                bar.update(len(batch))
+                bar.set_postfix(gen_tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
+    bar.close()
+    records = read_samples(out)
+    meta = {"target": target.name, "feature_layers": cfg.feature_layers,
+            "hidden_size": target.hidden_size, "num_samples": len(records),
+            "num_tokens": sum(len(r["input_ids"]) for r in records),
+            "config": asdict(cfg), "store_features": cfg.store_features}
+    if cfg.store_features:
+        size = sum(f.stat().st_size for f in (out / "features").glob("*.safetensors"))
+        meta["feature_bytes"] = size
+        meta["feature_bytes_per_token"] = size / max(1, meta["num_tokens"])
+    tmp = out / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, out / "meta.json")
+    return out
