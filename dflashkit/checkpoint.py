@@ -22,6 +22,9 @@ from .drafter import DFlashDrafter, DrafterConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# dflashkit's optional extra: the token ids the drafter may propose (a restricted LM head).
+# A separate file, so engines that load the folder see the standard format only.
+DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
 
 
 class CheckpointError(ValueError):
@@ -268,7 +271,29 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlash
     with torch.device("meta"):  # no throw-away random init of large drafters
         model = DFlashDrafter(cfg)
     model.load_state_dict(state, strict=True, assign=True)
+    model.draft_vocab = load_draft_vocab(path, cfg)
     return model.eval()
+
+
+def save_draft_vocab(ids: torch.Tensor, path: str | Path) -> None:
+    path = Path(path)
+    _atomic_write_bytes(path / DRAFT_VOCAB_NAME,
+                        lambda tmp: save_file({"ids": ids.to(torch.int64).contiguous()}, tmp))
+
+
+def load_draft_vocab(path: str | Path, cfg: DrafterConfig) -> torch.Tensor | None:
+    file = Path(path) / DRAFT_VOCAB_NAME
+    if not file.exists():
+        return None
+    with safe_open(str(file), framework="pt") as f:
+        if set(f.keys()) != {"ids"}:
+            raise CheckpointError(f"{file}: expected one tensor named 'ids'")
+        ids = f.get_tensor("ids")
+    if ids.ndim != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        raise CheckpointError(f"{file}: ids must be a non-empty 1-D list in [0, vocab_size={cfg.vocab_size})")
+    if not bool((ids[1:] > ids[:-1]).all()):
+        raise CheckpointError(f"{file}: ids must be sorted and unique")
+    return ids
 
 
 def check_compatible(cfg: DrafterConfig, target) -> None:

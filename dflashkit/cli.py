@@ -157,11 +157,16 @@ def cmd_generate(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .pipeline import load_config, run_data_stage
+    from .pipeline import load_config, run_data_stage, run_train_and_export
     cfg = load_config(args.config)
-    stages = args.stages.split(",")
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = sorted(set(stages) - {"data", "train", "export"})
+    if unknown:
+        raise ValueError(f"--stages: unknown stage(s) {unknown}; choose from data, train, export")
     if "data" in stages:
         run_data_stage(cfg)
+    if "train" in stages or "export" in stages:
+        run_train_and_export(cfg, export="export" in stages)
     return 0
 
 
@@ -226,8 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .checkpoint import CheckpointError
+    from .pipeline import ConfigError
     from .target import TargetError
-    known: tuple[type[BaseException], ...] = (CheckpointError, TargetError, ValueError, FileNotFoundError)
+    known: tuple[type[BaseException], ...] = (CheckpointError, ConfigError, TargetError, ValueError,
+                                               FileNotFoundError)
     try:
         from .models import ModelPrepareError
         known += (ModelPrepareError,)

@@ -44,6 +44,10 @@ class DFlashProposer:
         self.target = target
         self.feature_layers = drafter.target_layer_ids
         self.cache: ContextCache | None = None
+        # The drafter's LM head: the target's, restricted to the draft vocabulary if it has one.
+        head = target.lm_head.weight
+        self.vocab = drafter.draft_vocab
+        self.head = head if self.vocab is None else head[self.vocab].contiguous()
 
     def begin(self) -> None:
         self.cache = ContextCache(len(self.drafter.layers))
@@ -63,9 +67,13 @@ class DFlashProposer:
             context_positions=torch.arange(cache.length, s, device=device)[None],
             block_positions=torch.arange(s, s + num_slots + 1, device=device)[None],
             cache=cache)
-        logits = self.target.lm_head(hidden[:, 1:])[0]
+        logits = hidden[0, 1:] @ self.head.T
+        if self.vocab is not None and not sampling.greedy:
+            full = logits.new_full((logits.shape[0], self.target.num_embeddings), float("-inf"))
+            logits = full.index_copy_(1, self.vocab, logits)
         if sampling.greedy:
-            return logits.argmax(-1), None
+            best = logits.argmax(-1)
+            return (best if self.vocab is None else self.vocab[best]), None
         probs = target_probs(logits, sampling)
         return sample(probs, generator), probs
 

@@ -153,8 +153,16 @@ class DrafterAttention(nn.Module):
             k_c, v_c = cache.extend(layer, k_c, v_c)
         k = torch.cat([k_c, k_x], dim=2)
         v = torch.cat([v_c, v_x], dim=2)
+        has_key = None
+        if mask is not None and mask.dtype == torch.bool:
+            # A padding block sees nothing; give its rows every key (finite softmax, no NaN in
+            # forward or backward) and zero their output, which is what "nothing" means.
+            has_key = mask.any(-1, keepdim=True)
+            mask = mask | ~has_key
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
+        if has_key is not None:
+            out = out * has_key
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -196,6 +204,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        # Optional restricted vocabulary (sorted ids) the drafter proposes from; None = all.
+        self.draft_vocab: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from .regenerate import DataConfig
+from .trainer import DrafterSpec, TrainConfig
 
 
 class ConfigError(ValueError):
@@ -35,7 +36,18 @@ class PipelineConfig:
     target: str
     run_dir: str
     data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    export_dir: str | None = None
     raw: dict = field(default_factory=dict)
+
+    @property
+    def train_dir(self) -> Path:
+        return Path(self.run_dir) / "train"
+
+    @property
+    def drafter_dir(self) -> Path:
+        return Path(self.export_dir) if self.export_dir else Path(self.run_dir) / "drafter"
 
     @property
     def data_dir(self) -> Path:
@@ -53,11 +65,15 @@ def load_config(path: str | Path) -> PipelineConfig:
     for key in ("target", "run_dir"):
         if key not in raw:
             raise ConfigError(f"{path}: missing required key {key!r}")
-    extra = sorted(set(raw) - {"target", "run_dir", "data", "drafter", "train"})
+    extra = sorted(set(raw) - {"target", "run_dir", "data", "drafter", "train", "export_dir"})
     if extra:
         raise ConfigError(f"{path}: unknown top-level keys {extra}")
+    train = _build(TrainConfig, raw.get("train"), f"{path}: train")
+    train.betas = tuple(train.betas)
     cfg = PipelineConfig(target=raw["target"], run_dir=raw["run_dir"],
-                         data=_build(DataConfig, raw.get("data"), f"{path}: data"), raw=raw)
+                         data=_build(DataConfig, raw.get("data"), f"{path}: data"),
+                         drafter=_build(DrafterSpec, raw.get("drafter"), f"{path}: drafter"),
+                         train=train, export_dir=raw.get("export_dir"), raw=raw)
     cfg.data.out_dir = str(cfg.data_dir)
     return cfg
 
@@ -77,3 +93,16 @@ def run_data_stage(cfg: PipelineConfig, target=None, progress: bool = True) -> P
     d = cfg.data
     prompts = training_prompts(d.num_code, d.num_math, d.num_chat, seed=d.seed)
     return regenerate(target, prompts, d, progress=progress)
+
+
+def run_train_and_export(cfg: PipelineConfig, progress: bool = True, export: bool = True) -> Path | None:
+    """Train (resuming from the last checkpoint) and write the interoperable drafter."""
+    from .trainer import Trainer
+    trainer = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=progress)
+    trainer.fit()
+    if not export:
+        return None
+    out = trainer.export(cfg.drafter_dir)
+    if trainer.rank == 0:
+        print(f"export: wrote {out}")
+    return out

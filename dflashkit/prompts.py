@@ -134,20 +134,24 @@ def math_prompts(n: int, seed: int = TRAIN_MATH_SEED, families=_TRAIN_MATH_FAMIL
 
 
 def training_prompts(num_code: int, num_math: int, num_chat: int, seed: int = 0) -> list[dict]:
-    """A seeded, interleaved mix, so any prefix of the list has the same proportions."""
-    rng = random.Random(seed)
+    """A seeded, proportionally interleaved mix. Each pool is shuffled once, independently of
+    the counts, so a smaller request is a subset of a larger one (a run can be resized)."""
     shared = sharegpt_first_turns("train")
-    code = stdlib_code_prompts() + [p for p in shared if p["kind"] == "code"]
-    chat = [p for p in shared if p["kind"] == "chat"]
-    rng.shuffle(code)
-    rng.shuffle(chat)
-    pools = {"code": code[:num_code], "math": math_prompts(num_math, TRAIN_MATH_SEED + seed),
-             "chat": chat[:num_chat]}
-    for pool in pools.values():
-        rng.shuffle(pool)
+    pools = {
+        "code": stdlib_code_prompts() + [p for p in shared if p["kind"] == "code"],
+        "math": math_prompts(max(num_math, 1000), TRAIN_MATH_SEED + seed),
+        "chat": [p for p in shared if p["kind"] == "chat"],
+    }
+    counts = {"code": num_code, "math": num_math, "chat": num_chat}
+    for kind, pool in pools.items():
+        random.Random(f"{seed}-{kind}").shuffle(pool)
+        if counts[kind] > len(pool):
+            raise ValueError(f"asked for {counts[kind]} {kind} prompts, only {len(pool)} available")
+        pools[kind] = pool[:counts[kind]]
+    pools = {k: v for k, v in pools.items() if v}
     total = sum(len(p) for p in pools.values())
     out, taken = [], {k: 0 for k in pools}
-    for i in range(total):  # proportional interleave
+    for _ in range(total):
         kind = min((k for k in pools if taken[k] < len(pools[k])),
                    key=lambda k: (taken[k] + 1) / len(pools[k]))
         out.append(pools[kind][taken[kind]])

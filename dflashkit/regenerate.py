@@ -134,7 +134,7 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
     for p in prompts:
         if p["id"] in done_ids:
             continue
-        ids = target.encode_prompt(p["messages"])
+        ids = p.get("input_ids") or target.encode_prompt(p["messages"])
         if len(ids) <= cfg.max_prompt_tokens:
             todo.append((p, ids))
     bar = tqdm(total=len(todo), disable=not progress, desc="regenerate", unit="sample")

@@ -43,23 +43,18 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-class Target:
-    """A frozen causal LM with hidden-state capture for the drafter's context."""
+class TargetInfo:
+    """What is known of a target without its weights: config, tokenizer, generation config."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, name: str = "target"):
-        self.model = model.eval().requires_grad_(False)
+    def __init__(self, config, tokenizer=None, name: str = "target", generation_config=None):
+        self.config = config
         self.tokenizer = tokenizer
         self.name = name
-        self.config = model.config
-        self.layers = _decoder_layers(model)
-        self._captured: dict[int, list[torch.Tensor]] = {}
-        for j, layer in enumerate(self.layers):
-            layer.register_forward_hook(self._make_hook(j))
+        self.generation_config = generation_config
 
-    # --- facts ---------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        return int(self.config.num_hidden_layers)
 
     @property
     def hidden_size(self) -> int:
@@ -67,31 +62,16 @@ class Target:
 
     @property
     def num_embeddings(self) -> int:
-        return self.model.get_input_embeddings().weight.shape[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.get_input_embeddings().weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        return int(self.config.vocab_size)
 
     @property
     def max_positions(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 1 << 30))
 
-    @property
-    def lm_head(self) -> nn.Module:
-        return self.model.get_output_embeddings()
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(ids)
-
     def stop_token_ids(self) -> list[int]:
         """EOS ids of the generation config and the tokenizer (Qwen instruct has two)."""
         ids: list[int] = []
-        for source in (getattr(self.model, "generation_config", None), self.tokenizer, self.config):
+        for source in (self.generation_config, self.tokenizer, self.config):
             eos = getattr(source, "eos_token_id", None) if source is not None else None
             for i in ([eos] if isinstance(eos, int) else list(eos or [])):
                 if i is not None and i not in ids:
@@ -99,11 +79,17 @@ class Target:
         return ids
 
     def pad_token_id(self) -> int | None:
-        for source in (self.tokenizer, getattr(self.model, "generation_config", None), self.config):
+        for source in (self.tokenizer, self.generation_config, self.config):
             pad = getattr(source, "pad_token_id", None) if source is not None else None
             if isinstance(pad, int):
                 return pad
         return None
+
+    def check_layer_ids(self, layer_ids: list[int]) -> None:
+        bad = [j for j in layer_ids if not 0 <= j < self.num_layers]
+        if bad:
+            raise TargetError(f"target layer ids {bad} out of range: {self.name} has "
+                              f"{self.num_layers} decoder layers (valid ids 0..{self.num_layers - 1})")
 
     # --- prompts -------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[dict], chat: bool = True) -> list[int]:
@@ -126,6 +112,41 @@ class Target:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else str(ids)
 
+
+class Target(TargetInfo):
+    """A frozen causal LM with hidden-state capture for the drafter's context."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, name: str = "target"):
+        super().__init__(model.config, tokenizer, name, getattr(model, "generation_config", None))
+        self.model = model.eval().requires_grad_(False)
+        self.layers = _decoder_layers(model)
+        self._captured: dict[int, list[torch.Tensor]] = {}
+        for j, layer in enumerate(self.layers):
+            layer.register_forward_hook(self._make_hook(j))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
     # --- forward -------------------------------------------------------------------------
     def _make_hook(self, j: int):
         def hook(_module, _inputs, output):
@@ -146,12 +167,6 @@ class Target:
             yield self._captured
         finally:
             self._captured = {}
-
-    def check_layer_ids(self, layer_ids: list[int]) -> None:
-        bad = [j for j in layer_ids if not 0 <= j < self.num_layers]
-        if bad:
-            raise TargetError(f"target layer ids {bad} out of range: {self.name} has "
-                              f"{self.num_layers} decoder layers (valid ids 0..{self.num_layers - 1})")
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -230,3 +245,62 @@ def load_target(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
             raise TargetError(f"{path}: the tokenizer failed to load: {e}") from e
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return Target(model, tokenizer, name=str(name_or_path))
+
+
+class TargetHead(TargetInfo):
+    """Only the target's frozen embedding and LM head: all the trainer needs when features
+    come from disk, so training never assumes the whole target fits in this process."""
+
+    def __init__(self, info: TargetInfo, embed_weight: torch.Tensor, head_weight: torch.Tensor):
+        super().__init__(info.config, info.tokenizer, info.name, info.generation_config)
+        self.embedding = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        self.head_weight = head_weight.requires_grad_(False)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.embedding.weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids)
+
+
+def load_target_info(name_or_path: str | Path, progress: bool = True) -> tuple[TargetInfo, Path]:
+    """Config, tokenizer and generation config of a target, without its weights."""
+    from transformers import AutoConfig, GenerationConfig
+    from .models import resolve_model
+    path = Path(resolve_model(str(name_or_path), progress=progress))
+    config = AutoConfig.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path) if any(path.glob("tokenizer*")) else None
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:
+        gen = None
+    return TargetInfo(config, tokenizer, str(name_or_path), gen), path
+
+
+def load_target_head(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
+                     progress: bool = True) -> TargetHead:
+    """Read only the embedding and LM-head tensors from the target's safetensors files."""
+    from safetensors import safe_open
+    info, path = load_target_info(name_or_path, progress)
+    wanted = {"embed": ("model.embed_tokens.weight", "embed_tokens.weight"),
+              "head": ("lm_head.weight",)}
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            for role, names in wanted.items():
+                for n in names:
+                    if role not in found and n in keys:
+                        found[role] = f.get_tensor(n).to(dtype)
+    if "embed" not in found:
+        raise TargetError(f"{path}: no embed_tokens tensor in the safetensors files")
+    if "head" not in found:
+        if not getattr(info.config, "tie_word_embeddings", False):
+            raise TargetError(f"{path}: no lm_head.weight and the embeddings are not tied")
+        found["head"] = found["embed"]
+    return TargetHead(info, found["embed"], found["head"])

@@ -1,0 +1,178 @@
+"""The DFlash training objective (DESIGN.md section 5).
+
+For a sequence with target features for every token, sample anchors p among response
+positions (loss_mask[p] and loss_mask[p+1]); each anchor gets a block
+``[token[p], MASK * (B-1)]`` at positions p..p+B-1. All blocks of a sequence run in ONE
+drafter pass against the full context, with a mask that lets block n see context positions
+j < anchor_n (strictly: the anchor's own features are not yet known at inference) and its
+own block (bidirectionally), never other blocks. Slot k predicts token[anchor + k] (the
+same position: no shift), weighted by exp(-(k-1)/gamma). The loss is the weighted mean
+cross-entropy, computed in chunks over a (possibly restricted) vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .drafter import DFlashDrafter
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    return DEFAULT_GAMMA.get(block_size, max(1.0, block_size / 2.2))
+
+
+@dataclass
+class Blocks:
+    """All blocks of a batch of sequences, flattened to ``N*B`` query slots per sequence."""
+
+    anchors: torch.Tensor    # [b, N] anchor positions (0 where invalid)
+    valid: torch.Tensor      # [b, N] bool
+    ids: torch.Tensor        # [b, N*B] block token ids
+    positions: torch.Tensor  # [b, N*B] absolute positions
+    labels: torch.Tensor     # [b, N*B] token at anchor + k (0 where out of range)
+    weights: torch.Tensor    # [b, N*B] loss weights (0 for slot 0, padding, out of range, prompt)
+    block_size: int
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions p with loss_mask[p] and loss_mask[p+1] (1-D mask -> 1-D positions)."""
+    m = loss_mask.bool()
+    return torch.nonzero(m[:-1] & m[1:]).flatten()
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to ``num_anchors`` candidates without replacement, sorted."""
+    cand = anchor_candidates(loss_mask)
+    if cand.numel() > num_anchors:
+        pick = torch.randperm(cand.numel(), generator=generator)[:num_anchors]
+        cand = cand[pick]
+    return cand.sort().values
+
+
+def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: list[torch.Tensor],
+                 block_size: int, mask_token_id: int, gamma: float,
+                 num_blocks: int | None = None) -> Blocks:
+    """Blocks, positions, same-position labels and decayed weights for each sequence.
+
+    input_ids / loss_mask: [b, L] (padding has loss_mask 0). anchors: one 1-D tensor per row.
+    """
+    b, L = input_ids.shape
+    B = block_size
+    N = num_blocks or max(1, max(int(a.numel()) for a in anchors))
+    anchor = torch.zeros(b, N, dtype=torch.long)
+    valid = torch.zeros(b, N, dtype=torch.bool)
+    for i, a in enumerate(anchors):
+        anchor[i, :a.numel()] = a
+        valid[i, :a.numel()] = True
+    k = torch.arange(B)
+    pos = anchor[:, :, None] + k                                    # [b, N, B]
+    in_bounds = pos < L
+    gathered = torch.gather(input_ids, 1, pos.clamp(max=L - 1).reshape(b, -1)).reshape(b, N, B)
+    labels = torch.where(in_bounds, gathered, torch.zeros_like(gathered))
+    lm = torch.gather(loss_mask.float(), 1, pos.clamp(max=L - 1).reshape(b, -1)).reshape(b, N, B)
+    decay = torch.exp(-(k.float() - 1) / gamma) * (k > 0)
+    weights = valid[:, :, None] * in_bounds * lm * decay
+    ids = torch.full((b, N, B), mask_token_id, dtype=torch.long)
+    ids[:, :, 0] = torch.gather(input_ids, 1, anchor)
+    return Blocks(anchors=anchor, valid=valid, ids=ids.reshape(b, N * B), positions=pos.reshape(b, N * B),
+                  labels=labels.reshape(b, N * B), weights=weights.reshape(b, N * B).float(), block_size=B)
+
+
+def block_attention_mask(blocks: Blocks, context_len: int) -> torch.Tensor:
+    """Boolean ``[b, 1, N*B, L + N*B]``: True where a block slot may attend.
+
+    Context key j is visible iff j < anchor (by POSITION, so overlapping anchors cannot
+    leak); block keys only within the same block; padding blocks see nothing.
+    """
+    b, N = blocks.anchors.shape
+    B = blocks.block_size
+    j = torch.arange(context_len)
+    ctx = (j[None, None, :] < blocks.anchors[:, :, None]) & blocks.valid[:, :, None]   # [b, N, L]
+    ctx = ctx[:, :, None, :].expand(b, N, B, context_len).reshape(b, N * B, context_len)
+    block_of = torch.arange(N * B) // B
+    same = block_of[:, None] == block_of[None, :]                                    # [NB, NB]
+    blk = same[None] & blocks.valid.repeat_interleave(B, dim=1)[:, :, None]
+    return torch.cat([ctx, blk], dim=-1)[:, None]
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor            # weighted sum of CE / normaliser (differentiable)
+    weighted_ce_sum: float        # detached numerator
+    weight_sum: float
+    slot_correct: torch.Tensor    # [B] top-1 correct at slot k (valid, labelled slots)
+    slot_total: torch.Tensor      # [B]
+    leading_correct: torch.Tensor  # [num valid blocks] leading correct slots per block
+    num_queries: int
+
+
+def _ce_chunk(hidden, head, labels):
+    logits = hidden @ head.T
+    return F.cross_entropy(logits.float(), labels, reduction="none"), logits.argmax(-1)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
+                          chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row CE and argmax against ``head`` [V, H] without holding all logits at once."""
+    losses, preds = [], []
+    for s in range(0, hidden.shape[0], chunk):
+        h, y = hidden[s:s + chunk], labels[s:s + chunk]
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            loss, pred = checkpoint(_ce_chunk, h, head, y, use_reentrant=False)
+        else:
+            loss, pred = _ce_chunk(h, head, y)
+        losses.append(loss)
+        preds.append(pred)
+    return torch.cat(losses), torch.cat(preds)
+
+
+def dflash_loss(drafter: DFlashDrafter, embed: torch.nn.Module, head_weight: torch.Tensor,
+                vocab_index: torch.Tensor | None, features: torch.Tensor, blocks: Blocks,
+                normaliser: float | None = None, logits_chunk: int = 1024) -> LossOutput:
+    """The DFlash loss for one batch of sequences with precomputed target features.
+
+    head_weight: LM-head rows the drafter scores against ([V', H]; all rows or the draft
+        vocabulary). vocab_index: full id -> row of head_weight (-1: not in the draft
+        vocabulary; such labels get weight 0). normaliser: the global weight sum when this
+        batch is one part of a larger (accumulated or distributed) batch.
+    """
+    b, L, _ = features.shape
+    mask = block_attention_mask(blocks, L)
+    ctx_pos = torch.arange(L).expand(b, L)
+    hidden = drafter(embed(blocks.ids), features, ctx_pos, blocks.positions, attn_mask=mask)
+    labels, weights = blocks.labels, blocks.weights
+    if vocab_index is not None:
+        mapped = vocab_index[labels]
+        weights = weights * (mapped >= 0)
+        labels = mapped.clamp(min=0)
+    keep = weights.reshape(-1) > 0
+    h = hidden.reshape(-1, hidden.shape[-1])[keep]
+    y, w = labels.reshape(-1)[keep], weights.reshape(-1)[keep]
+    ce, pred = chunked_cross_entropy(h, head_weight, y, logits_chunk)
+    wsum = float(w.sum())
+    total = (ce * w).sum()
+    loss = total / (normaliser if normaliser is not None else max(wsum, 1e-9))
+    # Per-slot accuracy and leading-correct counts (for the acceptance estimate).
+    B = blocks.block_size
+    correct_all = torch.zeros(b * hidden.shape[1], dtype=torch.bool)
+    correct_all[keep] = pred == y
+    labelled = keep.reshape(b, -1, B)
+    correct = correct_all.reshape(b, -1, B)
+    slot_correct = (correct & labelled).sum((0, 1))
+    slot_total = labelled.sum((0, 1))
+    lead = (correct[..., 1:] & labelled[..., 1:]).long().cumprod(-1).sum(-1)[blocks.valid]
+    return LossOutput(loss=loss, weighted_ce_sum=float(total.detach()), weight_sum=wsum,
+                      slot_correct=slot_correct, slot_total=slot_total, leading_correct=lead,
+                      num_queries=int(keep.sum()))
+
+
+def expected_acceptance_length(leading_correct: torch.Tensor) -> float:
+    """Teacher-forced estimate of tau: 1 (the bonus) + mean leading correct drafts per block."""
+    return 1.0 + float(leading_correct.float().mean()) if leading_correct.numel() else math.nan

@@ -1,0 +1,409 @@
+"""Train a DFlash drafter on regenerated data: single process or ``torchrun`` (data parallel).
+
+Determinism is by construction, so interrupted runs resume to the same weights and N
+processes match one: the sequences of optimizer step s are a seeded permutation slice, each
+sequence's anchors come from a generator seeded by (seed, step, index), and the loss of every
+part of a global batch is divided by the weight sum of the WHOLE global batch (computed
+identically on every rank from token ids alone). Gradients are summed across ranks with one
+all-reduce per parameter group; rank 0 writes checkpoints (atomically) and logs.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from .checkpoint import save_drafter
+from .drafter import DFlashDrafter, config_for_target, init_drafter
+from .objective import (Blocks, build_blocks, default_gamma, dflash_loss,
+                        expected_acceptance_length, sample_anchors)
+from .regenerate import FeatureStore, read_samples
+
+
+@dataclass
+class DrafterSpec:
+    num_layers: int = 1
+    block_size: int = 8
+    intermediate_size: int | None = None
+    target_layer_ids: list[int] | None = None   # default: every layer stored in the data
+    mask_token_id: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = 4.0
+    global_batch: int = 8            # sequences per optimizer step (all ranks together)
+    micro_batch: int = 1             # sequences per forward/backward
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    num_anchors: int = 64
+    gamma: float | None = None       # default from the block size (7 for 16, 4 for 8)
+    max_length: int = 1024
+    seed: int = 0
+    draft_vocab: str = "data"        # "data": score only tokens seen in training; "full"
+    heldout: int = 24                # held-out regenerated sequences for the acceptance estimate
+    heldout_anchors: int = 32
+    eval_every: int = 50
+    save_every: int = 20
+    logits_chunk: int = 1024
+    features: str = "stored"         # "stored" (from the data stage) or "online" (target forward)
+    threads: int | None = None
+    max_steps: int | None = None     # stop early (tests); the schedule still spans all steps
+
+
+# --- distributed ---------------------------------------------------------------------------
+
+def init_distributed() -> tuple[int, int]:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# --- data ----------------------------------------------------------------------------------
+
+def _is_heldout(record_id: str, n_percent_bucket: int = 1000) -> int:
+    return int(hashlib.sha1(record_id.encode()).hexdigest(), 16) % n_percent_bucket
+
+
+def split_records(records: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
+    """Deterministic held-out set: the ``heldout`` records with the smallest id hash."""
+    ranked = sorted(records, key=lambda r: (_is_heldout(r["id"]), r["id"]))
+    held = {r["id"] for r in ranked[:heldout]}
+    return [r for r in records if r["id"] not in held], [r for r in records if r["id"] in held]
+
+
+def draft_vocabulary(records: list[dict], vocab_size: int) -> torch.Tensor:
+    """Sorted token ids that occur in the training responses (what the drafter may propose).
+
+    Scoring only these rows of the 152k-row LM head is the drafter's main CPU saving; the
+    target still verifies over its full vocabulary, so decoding stays lossless.
+    """
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for r in records:
+        seen[torch.tensor(r["input_ids"][r["prompt_len"]:], dtype=torch.long)] = True
+    return torch.nonzero(seen).flatten()
+
+
+def _sequence(record: dict, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor(record["input_ids"][:max_length], dtype=torch.long)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[record["prompt_len"]:] = 1
+    return ids, loss_mask
+
+
+def _seeded(*parts) -> torch.Generator:
+    h = int(hashlib.sha1(repr(parts).encode()).hexdigest()[:15], 16)
+    return torch.Generator().manual_seed(h)
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup_ratio of the steps, then cosine to 0."""
+    warm = max(1, math.ceil(cfg.warmup_ratio * total))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# --- the trainer ---------------------------------------------------------------------------
+
+@dataclass
+class TrainState:
+    step: int = 0
+    elapsed_s: float = 0.0
+    history: list = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, target_name: str, data_dir: str | Path, out_dir: str | Path,
+                 drafter_spec: DrafterSpec, cfg: TrainConfig, progress: bool = True):
+        from .target import load_target, load_target_head
+        self.rank, self.world = init_distributed()
+        if cfg.global_batch % (cfg.micro_batch * self.world):
+            raise ValueError(f"global_batch ({cfg.global_batch}) must be a multiple of micro_batch "
+                             f"({cfg.micro_batch}) x processes ({self.world})")
+        if cfg.features not in ("stored", "online"):
+            raise ValueError(f"train.features must be 'stored' or 'online', got {cfg.features!r}")
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg, self.spec, self.progress = cfg, drafter_spec, progress and self.rank == 0
+        self.data_dir, self.out_dir = Path(data_dir), Path(out_dir)
+        meta_path = self.data_dir / "meta.json"
+        if not meta_path.exists():
+            raise FileNotFoundError(f"{self.data_dir}: the data stage is not complete (no meta.json); "
+                                    f"run `dflashkit train --config ... --stages data` first")
+        self.meta = json.loads(meta_path.read_text())
+        self.feature_layers = list(self.meta["feature_layers"])
+        layer_ids = drafter_spec.target_layer_ids or self.feature_layers
+        missing = [j for j in layer_ids if j not in self.feature_layers]
+        if missing and cfg.features == "stored":
+            raise ValueError(f"drafter target_layer_ids {missing} are not in the stored features "
+                             f"{self.feature_layers}; pick from those or use train.features: online")
+        self.columns = [self.feature_layers.index(j) for j in layer_ids] if cfg.features == "stored" else None
+        if cfg.features == "online":
+            self.target = load_target(target_name, progress=False)
+            self.head = self.target
+            self.embed, head_weight = self.target.embed, self.target.lm_head.weight
+        else:
+            self.head = load_target_head(target_name)
+            self.embed, head_weight = self.head.embed, self.head.head_weight
+            self.store = FeatureStore(self.data_dir)
+        records = [r for r in read_samples(self.data_dir) if len(r["input_ids"]) - r["prompt_len"] >= 2]
+        self.train_records, self.heldout_records = split_records(records, cfg.heldout)
+        if not self.train_records:
+            raise ValueError(f"{self.data_dir}: no usable training samples")
+        dcfg = config_for_target(self.head, num_layers=drafter_spec.num_layers,
+                                 block_size=drafter_spec.block_size, target_layer_ids=layer_ids,
+                                 mask_token_id=drafter_spec.mask_token_id,
+                                 intermediate_size=drafter_spec.intermediate_size)
+        self.drafter: DFlashDrafter = init_drafter(dcfg, seed=cfg.seed).train()
+        self.gamma = cfg.gamma or default_gamma(dcfg.block_size)
+        vocab = self.head.num_embeddings
+        if cfg.draft_vocab == "data":
+            self.vocab = draft_vocabulary(self.train_records, vocab)
+        elif cfg.draft_vocab == "full":
+            self.vocab = torch.arange(vocab)
+        else:
+            raise ValueError(f"train.draft_vocab must be 'data' or 'full', got {cfg.draft_vocab!r}")
+        self.vocab_index = torch.full((vocab,), -1, dtype=torch.long)
+        self.vocab_index[self.vocab] = torch.arange(self.vocab.numel())
+        self.head_rows = head_weight[self.vocab].contiguous()
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay, eps=1e-8)
+        self.steps_per_epoch = max(1, len(self.train_records) // cfg.global_batch)
+        self.total_steps = max(1, int(round(cfg.epochs * self.steps_per_epoch)))
+        self.state = TrainState()
+        self.ckpt_path = self.out_dir / "last.pt"
+        self.log_path = self.out_dir / "log.csv"
+
+    # --- batches -------------------------------------------------------------------------
+    def step_records(self, step: int) -> list[dict]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        perm = torch.randperm(len(self.train_records), generator=_seeded(self.cfg.seed, "epoch", epoch))
+        G = self.cfg.global_batch
+        return [self.train_records[i] for i in perm[k * G:(k + 1) * G].tolist()]
+
+    def _blocks(self, record: dict, anchors: torch.Tensor) -> tuple[torch.Tensor, Blocks]:
+        ids, lm = _sequence(record, self.cfg.max_length)
+        blocks = build_blocks(ids[None], lm[None], [anchors], self.drafter.block_size,
+                              self.drafter.mask_token_id, self.gamma)
+        return ids, blocks
+
+    def _weights_in_vocab(self, blocks: Blocks) -> float:
+        return float((blocks.weights * (self.vocab_index[blocks.labels] >= 0)).sum())
+
+    def _features(self, record: dict, ids: torch.Tensor) -> torch.Tensor:
+        L = ids.numel()
+        if self.cfg.features == "online":
+            with torch.no_grad():
+                return self.target.forward(ids[None], 0, None, capture=self.drafter.target_layer_ids).features
+        f = self.store.get(record).float()
+        H = self.head.hidden_size
+        f = torch.cat([f[:, c * H:(c + 1) * H] for c in self.columns], dim=-1)
+        if f.shape[0] < L:   # the final token never has features (it is never a context token)
+            f = torch.cat([f, f.new_zeros(L - f.shape[0], f.shape[1])])
+        return f[:L][None]
+
+    def _plan(self, step: int) -> list[tuple[dict, torch.Tensor, Blocks]]:
+        plan = []
+        for i, rec in enumerate(self.step_records(step)):
+            ids, lm = _sequence(rec, self.cfg.max_length)
+            anchors = sample_anchors(lm, self.cfg.num_anchors, _seeded(self.cfg.seed, "anchors", step, i))
+            plan.append((rec, *self._blocks(rec, anchors)))
+        return plan
+
+    # --- one optimizer step --------------------------------------------------------------
+    def train_step(self, step: int) -> dict:
+        cfg = self.cfg
+        plan = self._plan(step)
+        normaliser = max(sum(self._weights_in_vocab(b) for _, _, b in plan), 1e-9)
+        mine = plan[self.rank::self.world]
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = {"ce": 0.0, "w": 0.0, "tokens": 0, "blocks": 0, "queries": 0}
+        B = self.drafter.block_size
+        correct, total = torch.zeros(B), torch.zeros(B)
+        for rec, ids, blocks in mine:
+            out = dflash_loss(self.drafter, self.embed, self.head_rows, self.vocab_index,
+                              self._features(rec, ids), blocks, normaliser=normaliser,
+                              logits_chunk=cfg.logits_chunk)
+            out.loss.backward()
+            stats["ce"] += out.weighted_ce_sum
+            stats["w"] += out.weight_sum
+            stats["tokens"] += ids.numel()
+            stats["blocks"] += int(blocks.valid.sum())
+            stats["queries"] += out.num_queries
+            correct += out.slot_correct
+            total += out.slot_total
+        params = [p for p in self.drafter.parameters()]
+        if self.world > 1:
+            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                              for p in params])
+            packed = torch.cat([flat, torch.tensor([stats["ce"], stats["w"], stats["tokens"],
+                                                    stats["blocks"]], dtype=flat.dtype), correct, total])
+            dist.all_reduce(packed)
+            off = 0
+            for p in params:
+                n = p.numel()
+                g = packed[off:off + n].view_as(p)
+                p.grad = g.clone() if p.grad is None else p.grad.copy_(g)
+                off += n
+            stats["ce"], stats["w"], stats["tokens"], stats["blocks"] = packed[off:off + 4].tolist()
+            correct, total = packed[off + 4:off + 4 + B], packed[off + 4 + B:]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        lr = lr_at(step, self.total_steps, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        acc = (correct / total.clamp(min=1)).tolist()
+        return {"loss": stats["ce"] / max(stats["w"], 1e-9), "grad_norm": grad_norm, "lr": lr,
+                "tokens": stats["tokens"], "blocks": stats["blocks"], "slot_acc": acc}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out loss, per-slot accuracy and the teacher-forced acceptance estimate."""
+        self.drafter.eval()
+        ce = w = 0.0
+        B = self.drafter.block_size
+        correct, total, lead = torch.zeros(B), torch.zeros(B), []
+        for i, rec in enumerate(self.heldout_records):
+            ids, lm = _sequence(rec, self.cfg.max_length)
+            anchors = sample_anchors(lm, self.cfg.heldout_anchors, _seeded(self.cfg.seed, "heldout", i))
+            _, blocks = self._blocks(rec, anchors)
+            out = dflash_loss(self.drafter, self.embed, self.head_rows, self.vocab_index,
+                              self._features(rec, ids), blocks, logits_chunk=self.cfg.logits_chunk)
+            ce += out.weighted_ce_sum
+            w += out.weight_sum
+            correct += out.slot_correct
+            total += out.slot_total
+            lead.append(out.leading_correct)
+        self.drafter.train()
+        return {"heldout_loss": ce / max(w, 1e-9),
+                "heldout_tau": expected_acceptance_length(torch.cat(lead)) if lead else math.nan,
+                "heldout_slot_acc": (correct / total.clamp(min=1)).tolist()}
+
+    # --- checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        if self.rank != 0:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        blob = {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "state": asdict(self.state), "config": asdict(self.cfg), "spec": asdict(self.spec),
+                "drafter_config": asdict(self.drafter.config), "vocab": self.vocab}
+        tmp = self.ckpt_path.with_suffix(".tmp")
+        torch.save(blob, tmp)
+        os.replace(tmp, self.ckpt_path)
+
+    def try_resume(self) -> bool:
+        if not self.ckpt_path.exists():
+            return False
+        blob = torch.load(self.ckpt_path, weights_only=False)
+        same = {k: v for k, v in blob["config"].items() if k != "max_steps"} == \
+            {k: v for k, v in asdict(self.cfg).items() if k != "max_steps"}
+        if not same or blob["spec"] != asdict(self.spec):
+            raise ValueError(f"{self.ckpt_path} was written by a different train/drafter config; "
+                             f"move it away to start afresh, or restore the original config")
+        self.drafter.load_state_dict(blob["drafter"])
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.state = TrainState(**blob["state"])
+        return True
+
+    def _log(self, row: dict) -> None:
+        if self.rank != 0:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        B = self.drafter.block_size
+        fields = (["step", "epoch", "lr", "loss", "grad_norm", "tokens_per_s", "blocks_per_s",
+                   "heldout_loss", "heldout_tau", "elapsed_s"]
+                  + [f"acc_{k}" for k in range(1, B)] + [f"heldout_acc_{k}" for k in range(1, B)])
+        new = not self.log_path.exists()
+        with self.log_path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+
+    def _truncate_log(self, last_step: int) -> None:
+        """After a resume, drop log rows of steps that will be redone."""
+        if self.rank != 0 or not self.log_path.exists():
+            return
+        with self.log_path.open() as f:
+            rows = list(csv.DictReader(f))
+            fields = rows[0].keys() if rows else []
+        keep = [r for r in rows if int(r["step"]) <= last_step]
+        tmp = self.log_path.with_suffix(".tmp")
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(fields))
+            writer.writeheader()
+            writer.writerows(keep)
+        os.replace(tmp, self.log_path)
+
+    # --- the loop --------------------------------------------------------------------------
+    def fit(self) -> DFlashDrafter:
+        cfg = self.cfg
+        if self.try_resume() and self.rank == 0:
+            print(f"resumed from {self.ckpt_path} at step {self.state.step}")
+        self._truncate_log(self.state.step - 1)
+        last = self.total_steps if cfg.max_steps is None else min(self.total_steps, cfg.max_steps)
+        bar = tqdm(total=last, initial=self.state.step, disable=not self.progress, desc="train")
+        while self.state.step < last:
+            step = self.state.step
+            t0 = time.perf_counter()
+            m = self.train_step(step)
+            dt = time.perf_counter() - t0
+            self.state.elapsed_s += dt
+            self.state.step += 1
+            row = {"step": step, "epoch": step / self.steps_per_epoch, "lr": m["lr"], "loss": m["loss"],
+                   "grad_norm": m["grad_norm"], "tokens_per_s": m["tokens"] / dt,
+                   "blocks_per_s": m["blocks"] / dt, "elapsed_s": self.state.elapsed_s,
+                   **{f"acc_{k}": a for k, a in enumerate(m["slot_acc"]) if k > 0}}
+            done = self.state.step == last
+            if self.heldout_records and (self.state.step % cfg.eval_every == 0 or done):
+                ev = self.evaluate()
+                row.update(heldout_loss=ev["heldout_loss"], heldout_tau=ev["heldout_tau"],
+                           **{f"heldout_acc_{k}": a for k, a in enumerate(ev["heldout_slot_acc"]) if k > 0})
+                if self.rank == 0:
+                    tqdm.write(f"step {self.state.step}: held-out loss {ev['heldout_loss']:.3f}, "
+                               f"expected acceptance length {ev['heldout_tau']:.2f}")
+            self._log(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", acc1=f"{m['slot_acc'][1]:.2f}",
+                            tok_s=f"{row['tokens_per_s']:.0f}", blk_s=f"{row['blocks_per_s']:.1f}")
+            if self.state.step % cfg.save_every == 0 or done:
+                self.save_checkpoint()
+                _barrier()
+        bar.close()
+        return self.drafter
+
+    def export(self, path: str | Path) -> Path:
+        """The trained drafter in the interoperable format, plus its draft vocabulary."""
+        if self.rank != 0:
+            return Path(path)
+        cfg = self.drafter.config
+        cfg.extra["dflashkit"] = {"trained": True, "steps": self.state.step,
+                                  "train_seconds": round(self.state.elapsed_s, 1),
+                                  "draft_vocab_size": int(self.vocab.numel())}
+        out = save_drafter(self.drafter, path)
+        if self.cfg.draft_vocab == "data":
+            from .checkpoint import save_draft_vocab
+            save_draft_vocab(self.vocab, out)
+        return out

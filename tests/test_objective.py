@@ -1,0 +1,159 @@
+"""The training objective: mask, labels, weights, and training == inference for an anchor."""
+
+import math
+
+import pytest
+import torch
+
+from dflashkit.drafter import ContextCache, config_for_target, init_drafter
+from dflashkit.objective import (anchor_candidates, block_attention_mask, build_blocks,
+                                 dflash_loss, expected_acceptance_length, sample_anchors)
+from tests.conftest import MASK, VOCAB, tiny_target
+
+B = 6
+GAMMA = 4.0
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_target("qwen3", seed=4)
+    drafter = init_drafter(config_for_target(target, num_layers=2, block_size=B, mask_token_id=MASK,
+                                             target_layer_ids=[0, 2, 3]), seed=1)
+    torch.manual_seed(0)
+    L = 40
+    ids = torch.randint(3, VOCAB - 2, (1, L))
+    feats = target.forward(ids, 0, None, capture=[0, 2, 3]).features
+    loss_mask = torch.zeros(1, L)
+    loss_mask[0, 12:] = 1
+    return target, drafter, ids, feats, loss_mask
+
+
+def brute_force_mask(anchors, valid, L, B):
+    b, N = anchors.shape
+    m = torch.zeros(b, N * B, L + N * B, dtype=torch.bool)
+    for i in range(b):
+        for n in range(N):
+            if not valid[i, n]:
+                continue
+            for k in range(B):
+                q = n * B + k
+                for j in range(L):
+                    m[i, q, j] = j < anchors[i, n]
+                for n2 in range(N):
+                    for k2 in range(B):
+                        m[i, q, L + n2 * B + k2] = n2 == n
+    return m[:, None]
+
+
+def test_mask_equals_brute_force_with_overlapping_anchors_and_padding():
+    g = torch.Generator().manual_seed(0)
+    L = 30
+    ids = torch.randint(3, 50, (2, L))
+    lm = torch.ones(2, L)
+    lm[:, :5] = 0
+    anchors = [torch.tensor([5, 6, 7, 20]), torch.tensor([9, 10])]   # overlapping; row 2 padded
+    blocks = build_blocks(ids, lm, anchors, B, MASK, GAMMA)
+    got = block_attention_mask(blocks, L)
+    assert torch.equal(got, brute_force_mask(blocks.anchors, blocks.valid, L, B))
+    for _ in range(5):
+        a = [sample_anchors(lm[0], 6, g), sample_anchors(lm[1], 3, g)]
+        blocks = build_blocks(ids, lm, a, B, MASK, GAMMA)
+        assert torch.equal(block_attention_mask(blocks, L), brute_force_mask(blocks.anchors, blocks.valid, L, B))
+
+
+def test_labels_and_weights_match_a_naive_loop():
+    L = 25
+    ids = torch.arange(100, 100 + L)[None]
+    lm = torch.zeros(1, L)
+    lm[0, 8:22] = 1     # response ends before the sequence does
+    anchors = [torch.tensor([8, 15, 20])]
+    blocks = build_blocks(ids, lm, anchors, B, MASK, GAMMA)
+    for n, p in enumerate([8, 15, 20]):
+        for k in range(B):
+            q = n * B + k
+            assert blocks.positions[0, q] == p + k
+            assert blocks.ids[0, q] == (ids[0, p] if k == 0 else MASK)
+            in_range = p + k < L
+            if in_range:
+                assert blocks.labels[0, q] == ids[0, p + k]     # same position, no shift
+            w = (k > 0) * in_range * (lm[0, p + k] if in_range else 0) * math.exp(-(k - 1) / GAMMA)
+            assert blocks.weights[0, q].item() == pytest.approx(w)
+
+
+def test_anchor_candidates_need_two_response_tokens():
+    lm = torch.tensor([0, 0, 1, 1, 1, 0, 1, 0, 1, 1])
+    assert anchor_candidates(lm).tolist() == [2, 3, 8]
+
+
+def test_training_path_equals_inference_path(setup):
+    target, drafter, ids, feats, loss_mask = setup
+    L = ids.shape[1]
+    anchors = [torch.tensor([12, 13, 17, 30])]   # overlapping blocks on purpose
+    blocks = build_blocks(ids, loss_mask, anchors, B, MASK, GAMMA)
+    with torch.no_grad():
+        train_h = drafter(target.embed(blocks.ids), feats, torch.arange(L)[None], blocks.positions,
+                          attn_mask=block_attention_mask(blocks, L))
+        for n, p in enumerate(anchors[0].tolist()):
+            block = torch.full((1, B), MASK)
+            block[0, 0] = ids[0, p]
+            emb = target.embed(block)
+            pos = torch.arange(p, p + B)[None]
+            infer_h = drafter(emb, feats[:, :p], torch.arange(p)[None], pos)
+            torch.testing.assert_close(train_h[:, n * B:(n + 1) * B], infer_h, atol=2e-5, rtol=1e-4)
+            # And through the incremental context cache the decoding loop uses.
+            cache = ContextCache(len(drafter.layers))
+            drafter(emb, feats[:, :p // 2], torch.arange(p // 2)[None], pos, cache=cache)
+            cached_h = drafter(emb, feats[:, p // 2:p], torch.arange(p // 2, p)[None], pos, cache=cache)
+            torch.testing.assert_close(train_h[:, n * B:(n + 1) * B], cached_h, atol=2e-5, rtol=1e-4)
+
+
+def test_features_at_or_after_the_anchor_do_not_leak(setup):
+    target, drafter, ids, feats, loss_mask = setup
+    L = ids.shape[1]
+    p = 20
+    blocks = build_blocks(ids, loss_mask, [torch.tensor([14, p, 22])], B, MASK, GAMMA)
+    mask = block_attention_mask(blocks, L)
+
+    def run(f):
+        with torch.no_grad():
+            return drafter(target.embed(blocks.ids), f, torch.arange(L)[None], blocks.positions, attn_mask=mask)
+
+    base = run(feats)
+    after = feats.clone()
+    after[:, p:] += torch.randn_like(after[:, p:]) * 5
+    torch.testing.assert_close(run(after)[:, B:2 * B], base[:, B:2 * B])   # block of anchor p
+    before = feats.clone()
+    before[:, p - 1] += 5
+    assert not torch.allclose(run(before)[:, B:2 * B], base[:, B:2 * B])
+
+
+def test_padding_blocks_give_no_nan_and_no_gradient_leak(setup):
+    target, drafter, ids, feats, loss_mask = setup
+    drafter = drafter.train()
+    ids2 = torch.cat([ids, ids.flip(1)])
+    feats2 = torch.cat([feats, feats.flip(1)])
+    lm2 = torch.cat([loss_mask, loss_mask])
+    blocks = build_blocks(ids2, lm2, [torch.tensor([12, 20, 25]), torch.tensor([15])], B, MASK, GAMMA)
+    head = target.lm_head.weight
+    out = dflash_loss(drafter, target.embed, head, None, feats2, blocks)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    for name, p in drafter.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    drafter.zero_grad()
+    assert out.slot_total[0] == 0 and out.slot_total[1:].sum() > 0
+
+
+def test_restricted_vocabulary_loss_and_acceptance_estimate(setup):
+    target, drafter, ids, feats, loss_mask = setup
+    blocks = build_blocks(ids, loss_mask, [torch.tensor([12, 16])], B, MASK, GAMMA)
+    vocab = torch.unique(ids)
+    index = torch.full((VOCAB,), -1, dtype=torch.long)
+    index[vocab] = torch.arange(vocab.numel())
+    with torch.no_grad():
+        full = dflash_loss(drafter, target.embed, target.lm_head.weight, None, feats, blocks)
+        small = dflash_loss(drafter, target.embed, target.lm_head.weight[vocab], index, feats, blocks,
+                            logits_chunk=3)
+    assert small.weight_sum == pytest.approx(full.weight_sum)     # every label is in the vocabulary
+    assert small.loss < full.loss                                  # fewer competitors, lower CE
+    assert expected_acceptance_length(torch.tensor([0, 2, 5])) == pytest.approx(1 + 7 / 3)

@@ -1,0 +1,157 @@
+"""The training pipeline end to end on a tiny target: data, resume after kill -9, torchrun."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from dflashkit.regenerate import DataConfig, FeatureStore, read_samples, regenerate
+from tests.conftest import EOS, MASK, tiny_target
+
+LAYERS = [0, 2, 3]
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"id": f"p{i}", "source": "test", "kind": "code",
+             "input_ids": torch.randint(3, 90, (int(torch.randint(3, 12, (1,), generator=g)),),
+                                        generator=g).tolist()} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target = tiny_target("qwen2", seed=7, temperature_scale=2.0)
+    target.model.generation_config.eos_token_id = EOS
+    target.model.save_pretrained(root / "target")
+    cfg = DataConfig(out_dir=str(root / "run" / "data"), max_new_tokens=20, batch_size=4,
+                     feature_layers=LAYERS)
+    regenerate(target, _prompts(20), cfg, progress=False)
+    return root, target
+
+
+def test_data_stage_records_and_features(tiny_run):
+    root, target = tiny_run
+    data = root / "run" / "data"
+    records = read_samples(data)
+    meta = json.loads((data / "meta.json").read_text())
+    assert len(records) == 20 == meta["num_samples"] and meta["feature_bytes_per_token"] > 0
+    store = FeatureStore(data)
+    rec = records[3]
+    f = store.get(rec)
+    assert f.shape == (len(rec["input_ids"]) - 1, len(LAYERS) * target.hidden_size)
+    # Features captured during generation equal a fresh full forward (to bf16 precision).
+    ids = torch.tensor([rec["input_ids"]])
+    ref = target.forward(ids, 0, None, capture=LAYERS).features[0, :-1]
+    torch.testing.assert_close(f.float(), ref, atol=0.05, rtol=0.02)
+    # The response is the target's own greedy continuation.
+    prompt = rec["input_ids"][:rec["prompt_len"]]
+    out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
+                                eos_token_id=EOS, pad_token_id=0)[0].tolist()
+    assert rec["input_ids"] == out[:len(rec["input_ids"])]
+
+
+def test_data_stage_resumes_without_duplicates(tiny_run, tmp_path, monkeypatch):
+    _, target = tiny_run
+    import dflashkit.regenerate as regen
+    cfg = DataConfig(out_dir=str(tmp_path / "data"), max_new_tokens=12, batch_size=3, feature_layers=LAYERS)
+    real, calls = regen._generate_batch, {"n": 0}
+
+    def dying(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("simulated interruption")
+        return real(*a, **k)
+
+    monkeypatch.setattr(regen, "_generate_batch", dying)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(target, _prompts(10, seed=1), cfg, progress=False)
+    assert len(read_samples(tmp_path / "data")) == 6 and not (tmp_path / "data" / "meta.json").exists()
+    with open(tmp_path / "data" / "samples.jsonl", "a") as f:
+        f.write('{"id": "torn')                       # a crash mid-line
+    monkeypatch.setattr(regen, "_generate_batch", real)
+    regenerate(target, _prompts(10, seed=1), cfg, progress=False)
+    ids = [r["id"] for r in read_samples(tmp_path / "data")]
+    assert sorted(ids) == sorted(f"p{i}" for i in range(10))
+
+
+def _config(root: Path, name: str, **train) -> Path:
+    cfg = {"target": str(root / "target"), "run_dir": str(root / name),
+           "data": {"feature_layers": LAYERS},
+           "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": MASK},
+           "train": {"epochs": 2, "global_batch": 4, "num_anchors": 6, "heldout": 4, "eval_every": 3,
+                     "save_every": 1, "lr": 3e-3, "threads": 1, **train}}
+    (root / name).mkdir(exist_ok=True)
+    src = root / "run" / "data"
+    if not (root / name / "data").exists():
+        os.symlink(src, root / name / "data")
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _train(config: Path, extra=(), nproc=1):
+    cmd = [sys.executable, "-m", "dflashkit.cli", "train", "--config", str(config),
+           "--stages", "train,export", *extra]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", "-m", "dflashkit.cli", "train", "--config", str(config),
+               "--stages", "train,export"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _weights(root: Path, name: str):
+    return load_file(str(root / name / "drafter" / "model.safetensors"))
+
+
+def test_kill_minus_nine_then_resume_reaches_the_same_weights(tiny_run):
+    root, _ = tiny_run
+    ref = _train(_config(root, "straight"))
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    cfg = _config(root, "killed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dflashkit.cli", "train", "--config", str(cfg),
+                             "--stages", "train,export"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = root / "killed" / "train" / "log.csv"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 4):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (root / "killed" / "drafter").exists(), "killed before the end"
+    again = _train(cfg)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stdout
+    a, b = _weights(root, "straight"), _weights(root, "killed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [int(r.split(",")[0]) for r in log.read_text().splitlines()[1:]]
+    assert steps == sorted(set(steps)), "log rows duplicated after resume"
+    card = json.loads((root / "killed" / "drafter" / "config.json").read_text())
+    assert card["dflashkit"]["trained"] is True
+
+
+def test_two_processes_match_one(tiny_run):
+    root, _ = tiny_run
+    single = _train(_config(root, "one", epochs=1))
+    assert single.returncode == 0, single.stderr[-2000:]
+    double = _train(_config(root, "two", epochs=1), nproc=2)
+    assert double.returncode == 0, double.stderr[-3000:]
+    a = torch.load(root / "one" / "train" / "last.pt", weights_only=False)["drafter"]
+    b = torch.load(root / "two" / "train" / "last.pt", weights_only=False)["drafter"]
+    for k in a:   # fp32 master weights: equal up to the order of the gradient sum
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+    la = (root / "one" / "train" / "log.csv").read_text().splitlines()
+    lb = (root / "two" / "train" / "log.csv").read_text().splitlines()
+    loss_a = [float(r.split(",")[3]) for r in la[1:]]
+    loss_b = [float(r.split(",")[3]) for r in lb[1:]]
+    assert loss_a == pytest.approx(loss_b, rel=1e-4)
