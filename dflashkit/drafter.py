@@ -94,6 +94,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def _is_block_mask(mask) -> bool:
+    return mask is not None and type(mask).__name__ == "BlockMask"
+
+
 class ContextCache:
     """Per-layer keys/values of the CONTEXT only (after k_norm and RoPE).
 
@@ -153,6 +157,11 @@ class DrafterAttention(nn.Module):
             k_c, v_c = cache.extend(layer, k_c, v_c)
         k = torch.cat([k_c, k_x], dim=2)
         v = torch.cat([v_c, v_x], dim=2)
+        if _is_block_mask(mask):   # flex attention (training on GPU; eager reference on CPU)
+            from torch.nn.attention.flex_attention import flex_attention
+            out = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5,
+                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
         has_key = None
         if mask is not None and mask.dtype == torch.bool:
             # A padding block sees nothing; give its rows every key (finite softmax, no NaN in

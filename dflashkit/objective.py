@@ -102,6 +102,30 @@ def block_attention_mask(blocks: Blocks, context_len: int) -> torch.Tensor:
     return torch.cat([ctx, blk], dim=-1)[:, None]
 
 
+def flex_block_mask(blocks: Blocks, context_len: int):
+    """The same mask as ``block_attention_mask`` as a flex-attention BlockMask (sparse: blocks
+    that cannot see each other are skipped instead of computed and masked)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    anchors, valid, B, L = blocks.anchors, blocks.valid, blocks.block_size, context_len
+    b, N = anchors.shape
+
+    def mask_mod(bi, _h, q_idx, kv_idx):
+        n = q_idx // B
+        ctx = (kv_idx < L) & (kv_idx < anchors[bi, n])
+        own = (kv_idx >= L) & ((kv_idx - L) // B == n)
+        return valid[bi, n] & (ctx | own)
+
+    return create_block_mask(mask_mod, b, None, N * B, L + N * B, device=str(anchors.device))
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
 @dataclass
 class LossOutput:
     loss: torch.Tensor            # weighted sum of CE / normaliser (differentiable)
@@ -135,16 +159,18 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torc
 
 def dflash_loss(drafter: DFlashDrafter, embed: torch.nn.Module, head_weight: torch.Tensor,
                 vocab_index: torch.Tensor | None, features: torch.Tensor, blocks: Blocks,
-                normaliser: float | None = None, logits_chunk: int = 1024) -> LossOutput:
+                normaliser: float | None = None, logits_chunk: int = 1024,
+                attention: str = "sdpa") -> LossOutput:
     """The DFlash loss for one batch of sequences with precomputed target features.
 
     head_weight: LM-head rows the drafter scores against ([V', H]; all rows or the draft
         vocabulary). vocab_index: full id -> row of head_weight (-1: not in the draft
         vocabulary; such labels get weight 0). normaliser: the global weight sum when this
         batch is one part of a larger (accumulated or distributed) batch.
+    attention: "sdpa" (dense boolean mask; runs everywhere) or "flex" (sparse BlockMask).
     """
     b, L, _ = features.shape
-    mask = block_attention_mask(blocks, L)
+    mask = flex_block_mask(blocks, L) if attention == "flex" else block_attention_mask(blocks, L)
     ctx_pos = torch.arange(L).expand(b, L)
     hidden = drafter(embed(blocks.ids), features, ctx_pos, blocks.positions, attn_mask=mask)
     labels, weights = blocks.labels, blocks.weights

@@ -60,6 +60,7 @@ class TrainConfig:
     save_every: int = 20
     logits_chunk: int = 1024
     features: str = "stored"         # "stored" (from the data stage) or "online" (target forward)
+    attention: str = "auto"          # "sdpa" (dense mask), "flex" (BlockMask), auto: flex on GPU
     threads: int | None = None
     max_steps: int | None = None     # stop early (tests); the schedule still spans all steps
 
@@ -146,6 +147,14 @@ class Trainer:
             raise ValueError(f"train.features must be 'stored' or 'online', got {cfg.features!r}")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if cfg.attention not in ("auto", "sdpa", "flex"):
+            raise ValueError(f"train.attention must be auto, sdpa or flex, got {cfg.attention!r}")
+        from .objective import flex_available
+        self.attention = cfg.attention if cfg.attention != "auto" else (
+            "flex" if torch.cuda.is_available() and flex_available() else "sdpa")
+        if self.attention == "flex" and not torch.cuda.is_available():
+            raise ValueError("train.attention: flex has no backward pass on CPU in this torch; "
+                             "use sdpa (or auto) on CPU")
         self.cfg, self.spec, self.progress = cfg, drafter_spec, progress and self.rank == 0
         self.data_dir, self.out_dir = Path(data_dir), Path(out_dir)
         meta_path = self.data_dir / "meta.json"
@@ -245,7 +254,7 @@ class Trainer:
         for rec, ids, blocks in mine:
             out = dflash_loss(self.drafter, self.embed, self.head_rows, self.vocab_index,
                               self._features(rec, ids), blocks, normaliser=normaliser,
-                              logits_chunk=cfg.logits_chunk)
+                              logits_chunk=cfg.logits_chunk, attention=self.attention)
             out.loss.backward()
             stats["ce"] += out.weighted_ce_sum
             stats["w"] += out.weight_sum
@@ -290,7 +299,8 @@ class Trainer:
             anchors = sample_anchors(lm, self.cfg.heldout_anchors, _seeded(self.cfg.seed, "heldout", i))
             _, blocks = self._blocks(rec, anchors)
             out = dflash_loss(self.drafter, self.embed, self.head_rows, self.vocab_index,
-                              self._features(rec, ids), blocks, logits_chunk=self.cfg.logits_chunk)
+                              self._features(rec, ids), blocks, logits_chunk=self.cfg.logits_chunk,
+                              attention=self.attention)
             ce += out.weighted_ce_sum
             w += out.weight_sum
             correct += out.slot_correct

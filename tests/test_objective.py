@@ -157,3 +157,21 @@ def test_restricted_vocabulary_loss_and_acceptance_estimate(setup):
     assert small.weight_sum == pytest.approx(full.weight_sum)     # every label is in the vocabulary
     assert small.loss < full.loss                                  # fewer competitors, lower CE
     assert expected_acceptance_length(torch.tensor([0, 2, 5])) == pytest.approx(1 + 7 / 3)
+
+
+@pytest.mark.skipif(not __import__("dflashkit.objective", fromlist=["x"]).flex_available(),
+                    reason="flex attention not in this torch")
+def test_flex_attention_path_equals_dense_mask_path(setup):
+    target, drafter, ids, feats, loss_mask = setup
+    ids2 = torch.cat([ids, ids.flip(1)])
+    feats2 = torch.cat([feats, feats.flip(1)])
+    lm2 = torch.cat([loss_mask, loss_mask])
+    blocks = build_blocks(ids2, lm2, [torch.tensor([12, 13, 25]), torch.tensor([15])], B, MASK, GAMMA)
+    head = target.lm_head.weight
+    # torch's flex attention has no CPU backward: compare the forward (loss, accuracies) here;
+    # the trainer only selects flex on a GPU.
+    with torch.no_grad():
+        dense = dflash_loss(drafter, target.embed, head, None, feats2, blocks, attention="sdpa")
+        flex = dflash_loss(drafter, target.embed, head, None, feats2, blocks, attention="flex")
+    torch.testing.assert_close(dense.loss, flex.loss, atol=1e-5, rtol=1e-5)
+    assert torch.equal(dense.slot_correct, flex.slot_correct)
