@@ -11,12 +11,14 @@ DEMO_PROMPT := Write a Python function that returns the n-th Fibonacci number, w
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned to the CPU build on this machine, so nothing pulls another build
+	# torch first, pinned to the CPU build on this machine; then every other dependency exactly
+	# as locked, without resolution, so nothing can pull another torch build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps -r requirements.lock
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip check || true
 	touch $(STAMP)
 
 demo: $(STAMP)

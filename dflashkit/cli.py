@@ -156,6 +156,34 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import make_methods, run_bench
+    from .checkpoint import load_drafter
+    from .sampling import SamplingConfig
+    from .suites import STAND_INS
+    from .target import load_target
+    suites = [x.strip() for x in args.suites.split(",") if x.strip()]
+    bad = [x for x in suites if x not in STAND_INS]
+    if bad:
+        raise ValueError(f"--suites: unknown {bad}; choose from {', '.join(STAND_INS)}")
+    names = [x.strip() for x in args.methods.split(",") if x.strip()]
+    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
+    drafter_path = args.drafter or shipped_drafter(args.target)
+    if "dflash" in names and drafter_path is None:
+        raise ValueError(f"method dflash needs a drafter: pass --drafter DIR (no shipped drafter "
+                         f"for {args.target})")
+    target = load_target(args.target)
+    drafter = load_drafter(drafter_path) if "dflash" in names else None
+    methods = make_methods(names, target, drafter, args.block_size,
+                           load_assistant=lambda name: load_target(name).model)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    config["drafter"] = str(drafter_path) if drafter is not None else None
+    report = run_bench(target, methods, suites, args.num_prompts, args.max_new_tokens, sampling,
+                       args.seed, args.out, config)
+    print((args.out / "report.md").read_text())
+    return 0 if report["lossless"] else 3
+
+
 def cmd_train(args) -> int:
     from .pipeline import load_config, run_data_stage, run_train_and_export
     cfg = load_config(args.config)
@@ -221,6 +249,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run plain decoding (HF generate and our loop with B=1)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="acceptance and speedup on standard suites, all methods")
+    bench.add_argument("--target", required=True)
+    bench.add_argument("--drafter", type=Path, help="default: the shipped drafter of the target")
+    bench.add_argument("--suites", default="humaneval,mtbench,gsm,math,chat,zh")
+    bench.add_argument("--methods", default="ar,ar-loop,dflash,prompt-lookup",
+                       help="comma-separated: ar, ar-loop, dflash, prompt-lookup, assisted:MODEL")
+    bench.add_argument("--num-prompts", type=_positive_int, default=20)
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--top-p", type=float, default=1.0)
+    bench.add_argument("--top-k", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--block-size", type=_positive_int, help="dflash block size (default: the drafter's)")
+    bench.add_argument("--out", type=Path, default=Path("bench-out"))
+    bench.set_defaults(func=cmd_bench)
+
     train = sub.add_parser("train", help="run the training pipeline of a YAML config")
     train.add_argument("--config", required=True, type=Path)
     train.add_argument("--stages", default="data,train,export", help="comma-separated subset")

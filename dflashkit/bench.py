@@ -1,0 +1,305 @@
+"""``dflashkit bench``: every method on the same prompts, interleaved, in one run.
+
+Methods run prompt by prompt in turn (so machine drift hits all alike) through the same
+target weights. Speedup is pooled per suite: (sum of ar decode time / ar tokens) divided by
+(sum of method decode time / method tokens), with the per-prompt spread beside it. Greedy
+outputs are checked against ``ar`` token by token; a mismatch is reported loudly with the
+prompt and the first differing position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .baselines import hf_generate
+from .decoding import speculative_generate
+from .sampling import SamplingConfig
+from .suites import STAND_INS, BenchPrompt, load_suite
+from .target import Target
+
+
+@dataclass
+class RunResult:
+    tokens: list[int]
+    prefill_s: float
+    decode_s: float
+    acceptance_lengths: list[int] | None = None
+    slot_accepted: list[int] | None = None
+    slot_drafted: list[int] | None = None
+
+
+@dataclass
+class Record:
+    suite: str
+    prompt_id: str
+    turn: int
+    method: str
+    num_tokens: int
+    prefill_s: float
+    decode_s: float
+    tokens: list[int]
+    acceptance_lengths: list[int] | None = None
+    slot_accepted: list[int] | None = None
+    slot_drafted: list[int] | None = None
+    identical_to_ar: bool | None = None
+    first_diff: int | None = None
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(0, self.num_tokens - 1)
+
+    @property
+    def tau(self) -> float | None:
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else None
+
+
+Method = Callable[[list[int], int, SamplingConfig, list[int]], RunResult]
+
+
+def make_methods(names: list[str], target: Target, drafter=None, block_size: int | None = None,
+                 load_assistant: Callable[[str], object] | None = None) -> dict[str, Method]:
+    """Resolve method names: ar, ar-loop, dflash, prompt-lookup, assisted:MODEL."""
+    methods: dict[str, Method] = {}
+    for name in names:
+        if name == "ar":
+            methods[name] = lambda ids, n, s, stops: _from_hf(hf_generate(target, ids, n, s, stops))
+        elif name == "ar-loop":
+            methods[name] = lambda ids, n, s, stops: _from_loop(
+                speculative_generate(target, None, ids, n, s, stops, block_size=1))
+        elif name == "dflash":
+            if drafter is None:
+                raise ValueError("method dflash needs a drafter (--drafter DIR)")
+            methods[name] = lambda ids, n, s, stops: _from_loop(
+                speculative_generate(target, drafter, ids, n, s, stops, block_size=block_size))
+        elif name == "prompt-lookup":
+            methods[name] = lambda ids, n, s, stops: _from_hf(
+                hf_generate(target, ids, n, s, stops, prompt_lookup_num_tokens=10))
+        elif name.startswith("assisted:"):
+            if load_assistant is None:
+                raise ValueError("assisted generation needs a way to load the assistant model")
+            assistant = load_assistant(name.split(":", 1)[1])
+            methods[name] = lambda ids, n, s, stops, a=assistant: _from_hf(
+                hf_generate(target, ids, n, s, stops, assistant_model=a))
+        else:
+            raise ValueError(f"unknown method {name!r}; choose from ar, ar-loop, dflash, "
+                             f"prompt-lookup, assisted:MODEL")
+    if "ar" not in methods:
+        raise ValueError("the methods must include 'ar' (the baseline of every ratio)")
+    return methods
+
+
+def _from_hf(r) -> RunResult:
+    return RunResult(r.tokens, r.prefill_s, r.decode_s)
+
+
+def _from_loop(r) -> RunResult:
+    st = r.stats
+    return RunResult(r.tokens, st.prefill_s, st.decode_s, st.acceptance_lengths, st.slot_accepted,
+                     st.slot_drafted)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# --- metrics -------------------------------------------------------------------------------
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(records: list[Record]) -> dict:
+    """Per suite x method: tokens/s, pooled speedup over ar with spread, tau, slots, histogram."""
+    out: dict = {}
+    keys = sorted({(r.suite, r.method) for r in records})
+    by_prompt = {(r.suite, r.prompt_id, r.turn, r.method): r for r in records}
+    for suite, method in keys:
+        rs = [r for r in records if r.suite == suite and r.method == method]
+        ar = [by_prompt.get((r.suite, r.prompt_id, r.turn, "ar")) for r in rs]
+        tok = sum(r.decode_tokens for r in rs)
+        sec = sum(r.decode_s for r in rs)
+        ar_tok = sum(a.decode_tokens for a in ar if a)
+        ar_sec = sum(a.decode_s for a in ar if a)
+        per_prompt = [(a.decode_s / a.decode_tokens) / (r.decode_s / r.decode_tokens)
+                      for r, a in zip(rs, ar) if a and r.decode_tokens and a.decode_tokens and r.decode_s > 0]
+        entry = {
+            "prompts": len(rs), "tokens": sum(r.num_tokens for r in rs),
+            "decode_tokens_per_s": tok / sec if sec > 0 else 0.0,
+            "ttft_s_median": statistics.median([r.prefill_s for r in rs]),
+            "speedup_vs_ar": ((ar_sec / ar_tok) / (sec / tok)) if tok and sec and ar_tok and ar_sec else None,
+            "speedup_per_prompt": {"median": _percentile(per_prompt, 0.5), "p10": _percentile(per_prompt, 0.1),
+                                   "p90": _percentile(per_prompt, 0.9)} if per_prompt else None,
+            "mismatches": sum(1 for r in rs if r.identical_to_ar is False),
+        }
+        taus = [r.tau for r in rs if r.tau is not None]
+        if taus:
+            entry["tau"] = sum(taus) / len(taus)
+            acc = [sum(x) for x in zip(*[r.slot_accepted for r in rs if r.slot_accepted])]
+            dra = [sum(x) for x in zip(*[r.slot_drafted for r in rs if r.slot_drafted])]
+            entry["slot_acceptance"] = [a / d if d else 0.0 for a, d in zip(acc, dra)]
+            lengths = [x for r in rs for x in (r.acceptance_lengths or [])]
+            entry["acceptance_histogram"] = {str(k): lengths.count(k) for k in range(1, max(lengths) + 1)}
+        out.setdefault(suite, {})[method] = entry
+    return out
+
+
+def markdown_table(summary: dict, methods: list[str]) -> str:
+    head = "| suite | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods) + "\n"
+    rows = []
+    for suite, per in summary.items():
+        cells = []
+        for m in methods:
+            e = per.get(m)
+            if not e:
+                cells.append("-")
+                continue
+            tau = f"tau {e['tau']:.2f}, " if "tau" in e else ""
+            sp = f"{e['speedup_vs_ar']:.2f}x" if e.get("speedup_vs_ar") else "-"
+            bad = f" **{e['mismatches']} MISMATCH**" if e["mismatches"] else ""
+            cells.append(f"{tau}{e['decode_tokens_per_s']:.1f} tok/s, {sp}{bad}")
+        rows.append(f"| {suite} | " + " | ".join(cells) + " |")
+    return head + "\n".join(rows) + "\n"
+
+
+def plot(summary: dict, methods: list[str], out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    suites = list(summary)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(suites), 3.6))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        vals = [summary[s].get(m, {}).get("speedup_vs_ar") or 0 for s in suites]
+        ax.bar([j + i * width for j in range(len(suites))], vals, width, label=m)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(suites))], suites)
+    ax.set_ylabel("decode speedup over ar (pooled)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "speedup.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    spec = [m for m in methods if any("slot_acceptance" in summary[s].get(m, {}) for s in suites)]
+    if spec:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+        for s in suites:
+            e = summary[s].get(spec[0], {})
+            if "slot_acceptance" in e:
+                a1.plot(range(1, len(e["slot_acceptance"]) + 1), e["slot_acceptance"], marker="o", label=s)
+                h = e["acceptance_histogram"]
+                total = sum(h.values())
+                a2.plot([int(k) for k in h], [v / total for v in h.values()], marker="o", label=s)
+        a1.set_xlabel("draft slot k")
+        a1.set_ylabel(f"P(accept slot k | drafted) [{spec[0]}]")
+        a2.set_xlabel("tokens committed per verify step")
+        a2.set_ylabel("fraction of steps")
+        a1.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / "acceptance.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def environment() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+# --- the run -------------------------------------------------------------------------------
+
+def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num_prompts: int,
+              max_new_tokens: int, sampling: SamplingConfig, seed: int, out_dir: Path,
+              config: dict, progress: bool = True) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts: list[BenchPrompt] = [p for s in suites for p in load_suite(s, num_prompts, seed)]
+    stops = target.stop_token_ids()
+    records: list[Record] = []
+    log = (out_dir / "records.jsonl").open("w")
+    total_turns = sum(len(p.turns) for p in prompts)
+    bar = tqdm(total=total_turns * len(methods), disable=not progress, desc="bench")
+    for p in prompts:
+        history: dict[str, list[dict]] = {m: [] for m in methods}
+        for turn, text in enumerate(p.turns):
+            ar_tokens = None
+            for name, method in methods.items():   # interleaved: every method on this turn
+                messages = history[name] + [{"role": "user", "content": text}]
+                ids = target.encode_prompt(messages)
+                r = method(ids, max_new_tokens, sampling, stops)
+                rec = Record(p.suite, p.id, turn, name, len(r.tokens), r.prefill_s, r.decode_s, r.tokens,
+                             r.acceptance_lengths, r.slot_accepted, r.slot_drafted)
+                if name == "ar":
+                    ar_tokens = r.tokens
+                elif sampling.greedy and ar_tokens is not None:
+                    rec.first_diff = first_difference(ar_tokens, r.tokens)
+                    rec.identical_to_ar = rec.first_diff is None
+                    if not rec.identical_to_ar:
+                        print(f"\n\033[31mLOSSLESS CHECK FAILED\033[0m: {name} differs from ar on "
+                              f"{p.suite}/{p.id} turn {turn} at generated position {rec.first_diff}; "
+                              f"prompt: {text[:120]!r}", file=sys.stderr)
+                history[name] = messages + [{"role": "assistant",
+                                             "content": target.decode(r.tokens)}]
+                records.append(rec)
+                log.write(json.dumps(asdict(rec)) + "\n")
+                log.flush()
+                bar.update(1)
+            summary = summarize(records)
+            if "dflash" in methods:
+                e = summary.get(p.suite, {}).get("dflash", {})
+                bar.set_postfix(suite=p.suite, tau=f"{e.get('tau', 0):.2f}",
+                                speedup=f"{e.get('speedup_vs_ar') or 0:.2f}x")
+    bar.close()
+    log.close()
+    summary = summarize(records)
+    names = list(methods)
+    report = {"config": config, "environment": environment(),
+              "stand_ins": {s: STAND_INS[s] for s in suites}, "summary": summary,
+              "lossless": all(r.identical_to_ar is not False for r in records)}
+    tmp = out_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, out_dir / "summary.json")
+    table = markdown_table(summary, names)
+    env = report["environment"]
+    md = (f"# dflashkit bench\n\nTarget `{config.get('target')}`, drafter `{config.get('drafter')}`, "
+          f"{num_prompts} prompts per suite, max {max_new_tokens} new tokens, temperature "
+          f"{sampling.temperature}, seed {seed}. {env['cpu']}, {env['torch_threads']} threads, "
+          f"torch {env['torch']}, transformers {env['transformers']}.\n\n"
+          f"Cells: tau (mean acceptance length, dflash only), decode tokens/s, pooled decode "
+          f"speedup over `ar` (Hugging Face generate).\n\n{table}\n"
+          + ("Lossless: every greedy output identical to `ar`.\n" if report["lossless"] and sampling.greedy
+             else "" if not sampling.greedy else "**LOSSLESS CHECK FAILED** (see records.jsonl)\n")
+          + "\nStand-ins:\n" + "".join(f"- `{s}`: {STAND_INS[s]}\n" for s in suites))
+    (out_dir / "report.md").write_text(md)
+    plot(summary, names, out_dir)
+    return report

@@ -1,0 +1,71 @@
+"""Benchmark arithmetic on constructed records, the losslessness check, and a smoke run."""
+
+import json
+
+import pytest
+import torch
+
+from dflashkit.bench import Record, first_difference, make_methods, markdown_table, run_bench, summarize
+from dflashkit.drafter import config_for_target, init_drafter
+from dflashkit.sampling import SamplingConfig
+from dflashkit.suites import BenchPrompt
+from tests.conftest import MASK, tiny_target
+
+
+def rec(method, pid, n, decode_s, acc=None, suite="s", ident=None):
+    slots = None
+    if acc:
+        slots = ([sum(1 for a in acc if a > k + 1) for k in range(3)], [len(acc)] * 3)
+    return Record(suite, pid, 0, method, n, 0.1, decode_s, [1] * n, acc,
+                  slots[0] if slots else None, slots[1] if slots else None, ident)
+
+
+def test_pooled_speedup_tau_and_histogram():
+    records = [rec("ar", "a", 11, 1.0), rec("ar", "b", 21, 4.0),
+               rec("dflash", "a", 11, 0.5, acc=[2, 4, 4]), rec("dflash", "b", 21, 1.0, acc=[1, 1, 2, 4])]
+    s = summarize(records)["s"]
+    # ar: 30 decode tokens in 5.0 s; dflash: 30 in 1.5 s -> pooled 3.33x (not the mean of 2x and 4x).
+    assert s["dflash"]["speedup_vs_ar"] == pytest.approx((5.0 / 30) / (1.5 / 30))
+    assert s["dflash"]["speedup_per_prompt"]["median"] == pytest.approx(3.0)
+    assert s["dflash"]["tau"] == pytest.approx(((2 + 4 + 4) / 3 + (1 + 1 + 2 + 4) / 4) / 2)
+    assert s["dflash"]["acceptance_histogram"] == {"1": 2, "2": 2, "3": 0, "4": 3}
+    assert s["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert s["dflash"]["slot_acceptance"][0] == pytest.approx(5 / 7)
+
+
+def test_lossless_check_flags_an_injected_mismatch():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2
+    records = [rec("ar", "a", 5, 1.0), rec("dflash", "a", 5, 0.5, acc=[2, 2], ident=False)]
+    s = summarize(records)
+    assert s["s"]["dflash"]["mismatches"] == 1
+    assert "1 MISMATCH" in markdown_table(s, ["ar", "dflash"])
+
+
+def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
+    target = tiny_target("llama", seed=5, temperature_scale=2.0)
+    assistant = tiny_target("llama", seed=6, layers=2).model
+    drafter = init_drafter(config_for_target(target, num_layers=1, block_size=4, mask_token_id=MASK))
+
+    class Tok:   # a stand-in tokenizer: characters -> ids, so suites' text prompts work
+        chat_template = "x"
+
+    target.tokenizer = Tok()
+    monkeypatch.setattr(type(target), "encode_prompt",
+                        lambda self, msgs, chat=True: [3 + (ord(c) % 80) for m in msgs for c in m["content"][:20]])
+    monkeypatch.setattr(type(target), "decode", lambda self, ids: "".join(chr(97 + i % 26) for i in ids))
+    prompts = {"humaneval": [BenchPrompt("humaneval", "h1", ["def f(x): return x"])],
+               "mtbench": [BenchPrompt("mtbench", "m1", ["Hello there", "And again"])]}
+    monkeypatch.setattr("dflashkit.bench.load_suite", lambda s, n, seed: prompts[s])
+    methods = make_methods(["ar", "ar-loop", "dflash", "prompt-lookup", "assisted:tiny"], target, drafter,
+                           block_size=4, load_assistant=lambda name: assistant)
+    report = run_bench(target, methods, ["humaneval", "mtbench"], 1, 12, SamplingConfig(), 0, tmp_path,
+                       {"target": "tiny"}, progress=False)
+    assert report["lossless"], "a method differs from ar at temperature 0"
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert len(lines) == 5 * 3                      # 5 methods x (1 + 2 turns)
+    assert {json.loads(x)["method"] for x in lines} == set(methods)
+    for name in ("summary.json", "report.md", "speedup.png", "acceptance.png"):
+        assert (tmp_path / name).exists(), name
+    assert "tau" in report["summary"]["mtbench"]["dflash"]
