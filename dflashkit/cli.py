@@ -103,8 +103,8 @@ def cmd_generate(args) -> int:
         raise ValueError(f"no drafter for {args.target}: pass --drafter DIR (make one with "
                          f"`dflashkit drafter init --target {args.target} --out DIR`) or use "
                          f"--block-size 1 for plain decoding")
+    drafter = load_drafter(drafter_path) if args.block_size != 1 else None   # fail fast on a bad folder
     target = load_target(args.target, progress=not args.json)
-    drafter = load_drafter(drafter_path) if args.block_size != 1 else None
     if drafter is not None and drafter.is_untrained:
         print(f"note: {drafter_path} is an UNTRAINED (freshly initialised) drafter: its proposals are "
               "almost never accepted, so expect a slowdown; the output is still the target's own.",
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     from .pipeline import ConfigError
     from .target import TargetError
     known: tuple[type[BaseException], ...] = (CheckpointError, ConfigError, TargetError, ValueError,
-                                               FileNotFoundError)
+                                               OSError)
     try:
         from .models import ModelPrepareError
         known += (ModelPrepareError,)
