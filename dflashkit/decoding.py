@@ -241,8 +241,11 @@ def speculative_generate(
         proposals, draft_probs = [], None
         if n_draft > 0:
             t = time.perf_counter()
+            # "match" drafts greedily (the most likely proposal is the one most often equal to
+            # the target's sample); "rejection" needs sampled drafts and their distributions.
+            draft_sampling = sampling if acceptance == "rejection" else SamplingConfig()
             prop, draft_probs = drafter.propose(torch.tensor(committed, device=device), pending,
-                                                n_draft, sampling, generator)
+                                                n_draft, draft_sampling, generator)
             proposals = [int(x) for x in prop.tolist()]
             stats.draft_s += time.perf_counter() - t
         t = time.perf_counter()
