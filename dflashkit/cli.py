@@ -265,6 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=Path("bench-out"))
     bench.set_defaults(func=cmd_bench)
 
+    from .export import add_export_parsers
+    from .server import add_serve_parsers
+    add_serve_parsers(sub)
+    add_export_parsers(sub)
+
     train = sub.add_parser("train", help="run the training pipeline of a YAML config")
     train.add_argument("--config", required=True, type=Path)
     train.add_argument("--stages", default="data,train,export", help="comma-separated subset")

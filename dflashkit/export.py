@@ -100,8 +100,8 @@ def _zlab_snippet(out: Path, remote_code: bool) -> str:
     if remote_code:
         return (f"python -c \"from transformers import AutoModel; "
                 f"AutoModel.from_pretrained({path!r}, trust_remote_code=True, dtype='auto')\"")
-    return (f"python -c \"from dflash.model import DFlashDraftModel; "
-            f"DFlashDraftModel.from_pretrained({path!r}, dtype='auto')\"  # run inside a z-lab/dflash checkout")
+    return (f"python -c \"from dflash import DFlashDraftModel; "
+            f"DFlashDraftModel.from_pretrained({path!r}, dtype='auto')\"  # in a z-lab/dflash checkout")
 
 
 def _prepare_out(src: Path, out: Path, overwrite: bool) -> None:
