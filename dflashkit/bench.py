@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from .baselines import hf_generate
-from .decoding import speculative_generate
+from .decoding import DFlashProposer, speculative_generate
 from .sampling import SamplingConfig
 from .suites import STAND_INS, BenchPrompt, load_suite
 from .target import Target
@@ -72,6 +72,8 @@ def make_methods(names: list[str], target: Target, drafter=None, block_size: int
                  load_assistant: Callable[[str], object] | None = None) -> dict[str, Method]:
     """Resolve method names: ar, ar-loop, dflash, prompt-lookup, assisted:MODEL."""
     methods: dict[str, Method] = {}
+    if drafter is not None and not isinstance(drafter, DFlashProposer):
+        drafter = DFlashProposer(drafter, target)   # validate and prepare its LM head once
     for name in names:
         if name == "ar":
             methods[name] = lambda ids, n, s, stops: _from_hf(hf_generate(target, ids, n, s, stops))

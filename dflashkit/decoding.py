@@ -206,7 +206,10 @@ def speculative_generate(
     generator = None
     if not sampling.greedy:
         generator = torch.Generator(device="cpu")
-        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        if sampling.seed is not None:
+            generator.manual_seed(sampling.seed)
+        else:
+            generator.seed()   # non-deterministic, without touching torch's global generator
 
     device = target.device
     stats = GenerationStats(prompt_tokens=len(ids),
