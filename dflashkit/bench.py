@@ -243,9 +243,11 @@ def environment() -> dict:
 
 def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num_prompts: int,
               max_new_tokens: int, sampling: SamplingConfig, seed: int, out_dir: Path,
-              config: dict, progress: bool = True) -> dict:
+              config: dict, progress: bool = True, max_turns: int | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts: list[BenchPrompt] = [p for s in suites for p in load_suite(s, num_prompts, seed)]
+    if max_turns:
+        prompts = [BenchPrompt(p.suite, p.id, p.turns[:max_turns]) for p in prompts]
     stops = target.stop_token_ids()
     records: list[Record] = []
     log = (out_dir / "records.jsonl").open("w")

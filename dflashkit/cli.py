@@ -179,7 +179,7 @@ def cmd_bench(args) -> int:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     config["drafter"] = str(drafter_path) if drafter is not None else None
     report = run_bench(target, methods, suites, args.num_prompts, args.max_new_tokens, sampling,
-                       args.seed, args.out, config)
+                       args.seed, args.out, config, max_turns=args.max_turns)
     print((args.out / "report.md").read_text())
     return 0 if report["lossless"] else 3
 
@@ -262,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--top-k", type=int, default=0)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--block-size", type=_positive_int, help="dflash block size (default: the drafter's)")
+    bench.add_argument("--max-turns", type=_positive_int, help="only the first N turns (MT-Bench has 2)")
     bench.add_argument("--out", type=Path, default=Path("bench-out"))
     bench.set_defaults(func=cmd_bench)
 
