@@ -16,13 +16,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from .baselines import hf_generate
+from .checkpoint import atomic_write
 from .decoding import DFlashProposer, speculative_generate
 from .sampling import SamplingConfig
 from .suites import STAND_INS, BenchPrompt, load_suite
@@ -290,9 +291,8 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
     report = {"config": config, "environment": environment(),
               "stand_ins": {s: STAND_INS[s] for s in suites}, "summary": summary,
               "lossless": all(r.identical_to_ar is not False for r in records)}
-    tmp = out_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, out_dir / "summary.json")
+    text = json.dumps(report, indent=2)
+    atomic_write(out_dir / "summary.json", lambda tmp: Path(tmp).write_text(text))
     table = markdown_table(summary, names)
     env = report["environment"]
     md = (f"# dflashkit bench\n\nTarget `{config.get('target')}`, drafter `{config.get('drafter')}`, "

@@ -217,7 +217,8 @@ def validate_tensors(cfg: DrafterConfig, shapes: dict[str, tuple[int, ...]], sou
                                   f"expected {list(shape)} from config.json")
 
 
-def _atomic_write_bytes(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """Write through ``write(tmp_path)`` then rename into place: readers never see half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
@@ -236,11 +237,11 @@ def save_drafter(model: DFlashDrafter, path: str | Path, dtype: torch.dtype = to
     validate_config(cfg)
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     validate_tensors(cfg, {k: tuple(v.shape) for k, v in state.items()}, str(path))
-    _atomic_write_bytes(path / WEIGHTS_NAME,
+    atomic_write(path / WEIGHTS_NAME,
                         lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     text = json.dumps(config_to_dict(cfg) | {"dtype": str(dtype).removeprefix("torch.")},
                       indent=2, sort_keys=True) + "\n"
-    _atomic_write_bytes(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
+    atomic_write(path / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text))
     return path
 
 
@@ -277,7 +278,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlash
 
 def save_draft_vocab(ids: torch.Tensor, path: str | Path) -> None:
     path = Path(path)
-    _atomic_write_bytes(path / DRAFT_VOCAB_NAME,
+    atomic_write(path / DRAFT_VOCAB_NAME,
                         lambda tmp: save_file({"ids": ids.to(torch.int64).contiguous()}, tmp))
 
 

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint import (CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, CheckpointError,
+from .checkpoint import (atomic_write, CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, CheckpointError,
                          config_to_dict, load_drafter, read_config, validate_tensors)
 from .drafter import DrafterConfig
 
@@ -118,17 +116,6 @@ def _prepare_out(src: Path, out: Path, overwrite: bool) -> None:
     if foreign:
         raise CheckpointError(f"{out}: holds files an export does not write ({foreign[:5]}); "
                               f"choose an empty folder")
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _check_written(out: Path) -> None:
@@ -227,14 +214,14 @@ def export_drafter(src: str | Path, out: str | Path, engine: str = "sglang", tar
 
     (out / DRAFT_VOCAB_NAME).unlink(missing_ok=True)   # never part of an engine export
     (out / ZLAB_CODE_NAME).unlink(missing_ok=True)
-    _atomic_write(out / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write(out / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config_text = json.dumps(engine_config(cfg, engine, code is not None), indent=2, sort_keys=True) + "\n"
-    _atomic_write(out / CONFIG_NAME, lambda tmp: Path(tmp).write_text(config_text))
+    atomic_write(out / CONFIG_NAME, lambda tmp: Path(tmp).write_text(config_text))
     if code is not None:
-        _atomic_write(out / ZLAB_CODE_NAME, lambda tmp: shutil.copyfile(code, tmp))
+        atomic_write(out / ZLAB_CODE_NAME, lambda tmp: shutil.copyfile(code, tmp))
     card = model_card(cfg, engine, hub_target, block, commands,
                       had_draft_vocab=drafter.draft_vocab is not None, remote_code=code is not None)
-    _atomic_write(out / CARD_NAME, lambda tmp: Path(tmp).write_text(card))
+    atomic_write(out / CARD_NAME, lambda tmp: Path(tmp).write_text(card))
     _check_written(out)
     return ExportResult(path=out, engine=engine, block_size=block, target=hub_target, commands=commands)
 

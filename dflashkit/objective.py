@@ -119,11 +119,8 @@ def flex_block_mask(blocks: Blocks, context_len: int):
 
 
 def flex_available() -> bool:
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    import importlib.util
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
 @dataclass

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from .checkpoint import atomic_write
 from .target import Target
 
 
@@ -65,12 +66,6 @@ def _repair_tail(path: Path) -> None:
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         path.write_bytes(data[: data.rfind(b"\n") + 1])
-
-
-def _atomic_save(tensors: dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
 
 
 class FeatureStore:
@@ -148,8 +143,8 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
                 rows = _generate_batch(target, [ids for _, ids in batch], cfg, stops)
                 shard = f"{shard_index:06d}.safetensors"
                 if cfg.store_features:
-                    _atomic_save({p["id"]: f for (p, _), (_, f) in zip(batch, rows)},
-                                 out / "features" / shard)
+                    tensors = {p["id"]: f for (p, _), (_, f) in zip(batch, rows)}
+                    atomic_write(out / "features" / shard, lambda tmp: save_file(tensors, tmp))
                 for (p, ids), (resp, _) in zip(batch, rows):
                     rec = {"id": p["id"], "source": p["source"], "kind": p["kind"],
                            "input_ids": ids + resp, "prompt_len": len(ids),
@@ -172,7 +167,5 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
         size = sum(f.stat().st_size for f in (out / "features").glob("*.safetensors"))
         meta["feature_bytes"] = size
         meta["feature_bytes_per_token"] = size / max(1, meta["num_tokens"])
-    tmp = out / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, out / "meta.json")
+    atomic_write(out / "meta.json", lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)))
     return out

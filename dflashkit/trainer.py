@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .checkpoint import save_drafter
+from .checkpoint import atomic_write, save_drafter
 from .drafter import DFlashDrafter, config_for_target, init_drafter
 from .objective import (Blocks, build_blocks, default_gamma, dflash_loss,
                         expected_acceptance_length, sample_anchors)
@@ -319,9 +319,7 @@ class Trainer:
         blob = {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "state": asdict(self.state), "config": asdict(self.cfg), "spec": asdict(self.spec),
                 "drafter_config": asdict(self.drafter.config), "vocab": self.vocab}
-        tmp = self.ckpt_path.with_suffix(".tmp")
-        torch.save(blob, tmp)
-        os.replace(tmp, self.ckpt_path)
+        atomic_write(self.ckpt_path, lambda tmp: torch.save(blob, tmp))
 
     def try_resume(self) -> bool:
         if not self.ckpt_path.exists():
@@ -419,9 +417,8 @@ class Trainer:
             save_draft_vocab(self.vocab, out)
         card = out / "README.md"
         if not card.exists():   # a card with measured results, once written, is kept
-            tmp = card.with_suffix(".tmp")
-            tmp.write_text(self.model_card())
-            os.replace(tmp, card)
+            text = self.model_card()
+            atomic_write(card, lambda tmp: Path(tmp).write_text(text))
         return out
 
     def model_card(self) -> str:

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from dflashkit.bench import Record, first_difference, make_methods, markdown_table, run_bench, summarize
 from dflashkit.drafter import config_for_target, init_drafter

@@ -6,7 +6,6 @@ at significance 1e-3 (false-alarm rate 0.1% per test; seeds are fixed, so the ru
 deterministic) compares them with N speculative samples.
 """
 
-import itertools
 
 import pytest
 import torch
