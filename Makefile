@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements.lock
 
 demo: $(STAMP)
 	$(DFK) models prepare $(TARGET)
-	@if [ -f checkpoints/$(TARGET)/config.json ]; then \
+	@block=4; if [ -f checkpoints/$(TARGET)/config.json ]; then \
 		drafter=checkpoints/$(TARGET); \
 	else \
 		echo "NOTE: no trained drafter ships yet: using a freshly initialised, UNTRAINED drafter."; \
@@ -32,7 +32,7 @@ demo: $(STAMP)
 		[ -f $$drafter/config.json ] || $(DFK) drafter init --target $(TARGET) --out $$drafter --block-size 4; \
 	fi; \
 	$(DFK) generate --target $(TARGET) --drafter $$drafter --prompt "$(DEMO_PROMPT)" \
-		--max-new-tokens 128 --compare
+		--max-new-tokens 128 --block-size $$block --compare
 
 test: $(STAMP)
 	$(DFK) models prepare --quiet $(TARGET) smollm2-135m-instruct

@@ -297,7 +297,9 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
     env = report["environment"]
     md = (f"# dflashkit bench\n\nTarget `{config.get('target')}`, drafter `{config.get('drafter')}`, "
           f"{num_prompts} prompts per suite, max {max_new_tokens} new tokens, temperature "
-          f"{sampling.temperature}, seed {seed}. {env['cpu']}, {env['torch_threads']} threads, "
+          f"{sampling.temperature}, seed {seed}"
+          f"{f', first {max_turns} turn(s) of each prompt only' if max_turns else ''}. "
+          f"{env['cpu']}, {env['torch_threads']} threads, "
           f"torch {env['torch']}, transformers {env['transformers']}.\n\n"
           f"Cells: tau (mean acceptance length, dflash only), decode tokens/s, pooled decode "
           f"speedup over `ar` (Hugging Face generate).\n\n{table}\n"
