@@ -849,13 +849,6 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value) or value <= 0:
@@ -864,6 +857,7 @@ def _positive_float(text: str) -> float:
 
 
 def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
+    from .cli import _positive_int
     """Register ``serve`` on a subparsers object (``set_defaults(func=cmd_serve)``)."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with speculative decoding",
                               description=__doc__.split("\n\n")[0])
