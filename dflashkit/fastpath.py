@@ -1,0 +1,156 @@
+"""A faster CPU execution path that keeps the model's float numbers (DESIGN.md section 7).
+
+Two things make verify passes cheap on a CPU:
+
+* **Prepacked linear weights.** PyTorch's default small-batch matmul (M = 2..16 rows) is far
+  from the machine's floor; oneDNN with weights reordered once into its blocked layout is
+  2-3x faster there. For a single row (plain decoding) the default kernel is already at the
+  memory-bandwidth floor and slightly ahead of oneDNN, so :class:`PackedLinear` keeps both:
+  the original weight for one row, the packed copy for more. The cost is a second copy of
+  the linear weights in memory.
+* **A KV cache written in place** (:class:`InPlaceCache`): keys and values go into
+  preallocated buffers that grow by doubling, so a step does not re-concatenate the whole
+  cache, and a rollback only moves a length.
+
+Quantisation is not part of this path: numbers stay fp32 (results equal the default path's
+to float rounding; greedy tokens are tested equal on a real model).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+def fast_path_available(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> bool:
+    """Packing applies to fp32 weights on a CPU whose PyTorch build has oneDNN."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` for inference with a oneDNN-packed copy of the weight for M > 1 rows."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear   # kept whole: the 1-row path and unpacking use it
+        weight = linear.weight.detach()
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None),
+                             persistent=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.linear.bias
+        if x.numel() == x.shape[-1] or torch.is_grad_enabled() or x.dtype != torch.float32:
+            return F.linear(x, self.linear.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, None if bias is None else bias.detach(), "none", [], "")
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Replace every fp32 ``nn.Linear`` inside ``module`` by a :class:`PackedLinear`, in place.
+
+    Returns how many were packed. Weights are not copied out of the module: the packed
+    buffers are extra memory (one more copy of each linear weight).
+    """
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32 \
+                    and child.weight.device.type == "cpu":
+                setattr(parent, name, PackedLinear(child))
+                count += 1
+    return count
+
+
+def unpack_linears(module: nn.Module) -> int:
+    """Undo :func:`pack_linears`: put the original ``nn.Linear`` modules back."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                setattr(parent, name, child.linear)
+                count += 1
+    return count
+
+
+def is_packed(module: nn.Module) -> bool:
+    return any(isinstance(m, PackedLinear) for m in module.modules())
+
+
+class InPlaceLayer(DynamicLayer):
+    """A cache layer over preallocated key/value buffers: appends write in place."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        b, h, _, d = key_states.shape
+        self._k = key_states.new_empty(b, h, 256, d)
+        self._v = value_states.new_empty(b, h, 256, value_states.shape[-1])
+        self._len = 0
+        self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
+        self.is_initialized = True
+
+    def _grow(self, needed: int) -> None:
+        cap = self._k.shape[2]
+        if needed <= cap:
+            return
+        while cap < needed:
+            cap *= 2
+        k = self._k.new_empty(*self._k.shape[:2], cap, self._k.shape[3])
+        v = self._v.new_empty(*self._v.shape[:2], cap, self._v.shape[3])
+        k[:, :, :self._len] = self._k[:, :, :self._len]
+        v[:, :, :self._len] = self._v[:, :, :self._len]
+        self._k, self._v = k, v
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        end = self._len + n
+        self._grow(end)
+        self._k[:, :, self._len:end] = key_states
+        self._v[:, :, self._len:end] = value_states
+        self._len = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._len if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove (transformers 5.x)")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self._len = max(0, self._len + tokens_to_remove)
+        self.keys, self.values = self._k[:, :, :self._len], self._v[:, :, :self._len]
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None
+        self._len = 0
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("InPlaceCache serves dflashkit's own loops only")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("InPlaceCache serves dflashkit's own loops only")
+
+
+class InPlaceCache(DynamicCache):
+    """A ``DynamicCache`` whose layers write into preallocated buffers (full attention only)."""
+
+    def __init__(self, num_layers: int):
+        Cache.__init__(self, layers=[InPlaceLayer() for _ in range(num_layers)])
