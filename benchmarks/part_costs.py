@@ -8,24 +8,12 @@ one run, since this machine is noisy.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from dflashkit.costs import median_ms
 from dflashkit.drafter import ContextCache, config_for_target, init_drafter
 from dflashkit.target import load_target
-
-
-def median_ms(fn, repeats=7, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
 
 
 def main():

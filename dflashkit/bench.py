@@ -69,7 +69,7 @@ class Record:
 Method = Callable[[list[int], int, SamplingConfig, list[int]], RunResult]
 
 
-def make_methods(names: list[str], target: Target, drafter=None, block_size: int | None = None,
+def make_methods(names: list[str], target: Target, drafter=None, block_size: int | str | None = None,
                  load_assistant: Callable[[str], object] | None = None) -> dict[str, Method]:
     """Resolve method names: ar, ar-loop, dflash, prompt-lookup, assisted:MODEL."""
     methods: dict[str, Method] = {}
@@ -81,11 +81,12 @@ def make_methods(names: list[str], target: Target, drafter=None, block_size: int
         elif name == "ar-loop":
             methods[name] = lambda ids, n, s, stops: _from_loop(
                 speculative_generate(target, None, ids, n, s, stops, block_size=1))
-        elif name == "dflash":
+        elif name == "dflash" or name.startswith("dflash:"):
             if drafter is None:
                 raise ValueError("method dflash needs a drafter (--drafter DIR)")
-            methods[name] = lambda ids, n, s, stops: _from_loop(
-                speculative_generate(target, drafter, ids, n, s, stops, block_size=block_size))
+            size = _dflash_block_size(name, block_size, drafter, target)
+            methods[name] = lambda ids, n, s, stops, b=size: _from_loop(
+                speculative_generate(target, drafter, ids, n, s, stops, block_size=b))
         elif name == "prompt-lookup":
             methods[name] = lambda ids, n, s, stops: _from_hf(
                 hf_generate(target, ids, n, s, stops, prompt_lookup_num_tokens=10))
@@ -97,10 +98,32 @@ def make_methods(names: list[str], target: Target, drafter=None, block_size: int
                 hf_generate(target, ids, n, s, stops, assistant_model=a))
         else:
             raise ValueError(f"unknown method {name!r}; choose from ar, ar-loop, dflash, "
-                             f"prompt-lookup, assisted:MODEL")
+                             f"dflash:B, dflash:auto, prompt-lookup, assisted:MODEL")
     if "ar" not in methods:
         raise ValueError("the methods must include 'ar' (the baseline of every ratio)")
     return methods
+
+
+def _dflash_block_size(name: str, default, proposer: DFlashProposer, target: Target):
+    """``dflash`` uses --block-size; ``dflash:B`` / ``dflash:auto`` pick their own. An adaptive
+    size is one policy object for the whole run, so its acceptance statistics carry over
+    from prompt to prompt, as in the server."""
+    spec = name.split(":", 1)[1] if ":" in name else default
+    if spec is None:
+        return None
+    if spec == "auto":
+        from .costs import cost_curve
+        from .policy import AdaptiveBlockSize
+        trained = proposer.drafter.block_size
+        return AdaptiveBlockSize(cost_curve(target, proposer, max_q=trained, progress=True),
+                                 max_drafts=trained - 1)
+    try:
+        size = int(spec)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1:
+        raise ValueError(f"method {name!r}: the block size must be a positive integer or 'auto'")
+    return size
 
 
 def _from_hf(r) -> RunResult:
@@ -131,6 +154,15 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def _pooled_speedup(runs: list[Record], bases: list[Record | None]) -> float | None:
+    """(base seconds per decode token) / (method seconds per decode token), pooled over the
+    prompts both ran."""
+    pairs = [(r, b) for r, b in zip(runs, bases) if b is not None]
+    tok, sec = sum(r.decode_tokens for r, _ in pairs), sum(r.decode_s for r, _ in pairs)
+    b_tok, b_sec = sum(b.decode_tokens for _, b in pairs), sum(b.decode_s for _, b in pairs)
+    return (b_sec / b_tok) / (sec / tok) if tok and sec and b_tok and b_sec else None
+
+
 def summarize(records: list[Record]) -> dict:
     """Per suite x method: tokens/s, pooled speedup over ar with spread, tau, slots, histogram."""
     out: dict = {}
@@ -141,15 +173,16 @@ def summarize(records: list[Record]) -> dict:
         ar = [by_prompt.get((r.suite, r.prompt_id, r.turn, "ar")) for r in rs]
         tok = sum(r.decode_tokens for r in rs)
         sec = sum(r.decode_s for r in rs)
-        ar_tok = sum(a.decode_tokens for a in ar if a)
-        ar_sec = sum(a.decode_s for a in ar if a)
         per_prompt = [(a.decode_s / a.decode_tokens) / (r.decode_s / r.decode_tokens)
                       for r, a in zip(rs, ar) if a and r.decode_tokens and a.decode_tokens and r.decode_s > 0]
         entry = {
             "prompts": len(rs), "tokens": sum(r.num_tokens for r in rs),
             "decode_tokens_per_s": tok / sec if sec > 0 else 0.0,
             "ttft_s_median": statistics.median([r.prefill_s for r in rs]),
-            "speedup_vs_ar": ((ar_sec / ar_tok) / (sec / tok)) if tok and sec and ar_tok and ar_sec else None,
+            "speedup_vs_ar": _pooled_speedup(rs, ar),
+            # what speculation itself buys: our plain loop on the same execution path
+            "speedup_vs_ar_loop": _pooled_speedup(
+                rs, [by_prompt.get((r.suite, r.prompt_id, r.turn, "ar-loop")) for r in rs]),
             "speedup_per_prompt": {"median": _percentile(per_prompt, 0.5), "p10": _percentile(per_prompt, 0.1),
                                    "p90": _percentile(per_prompt, 0.9)} if per_prompt else None,
             "mismatches": sum(1 for r in rs if r.identical_to_ar is False),
@@ -178,6 +211,8 @@ def markdown_table(summary: dict, methods: list[str]) -> str:
                 continue
             tau = f"tau {e['tau']:.2f}, " if "tau" in e else ""
             sp = f"{e['speedup_vs_ar']:.2f}x" if e.get("speedup_vs_ar") else "-"
+            if e.get("speedup_vs_ar_loop") and m not in ("ar", "ar-loop"):
+                sp += f" ({e['speedup_vs_ar_loop']:.2f}x vs ar-loop)"
             bad = f" **{e['mismatches']} MISMATCH**" if e["mismatches"] else ""
             cells.append(f"{tau}{e['decode_tokens_per_s']:.1f} tok/s, {sp}{bad}")
         rows.append(f"| {suite} | " + " | ".join(cells) + " |")
@@ -302,7 +337,8 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
           f"{env['cpu']}, {env['torch_threads']} threads, "
           f"torch {env['torch']}, transformers {env['transformers']}.\n\n"
           f"Cells: tau (mean acceptance length, dflash only), decode tokens/s, pooled decode "
-          f"speedup over `ar` (Hugging Face generate).\n\n{table}\n"
+          f"speedup over `ar` (Hugging Face generate) and, in brackets, over `ar-loop` (our own "
+          f"plain loop on the same execution path: what speculation itself buys).\n\n{table}\n"
           + ("Lossless: every greedy output identical to `ar`.\n" if report["lossless"] and sampling.greedy
              else "" if not sampling.greedy else "**LOSSLESS CHECK FAILED** (see records.jsonl)\n")
           + "\nStand-ins:\n" + "".join(f"- `{s}`: {STAND_INS[s]}\n" for s in suites))

@@ -17,10 +17,23 @@ def shipped_drafter(target_name: str) -> Path | None:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _block_size(text: str) -> int | str:
+    """A positive integer, or ``auto`` (chosen per step from measured costs, policy.py)."""
+    if text == "auto":
+        return text
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto', got {text!r}") from None
 
 
 # --- models ---------------------------------------------------------------------------------
@@ -104,7 +117,7 @@ def cmd_generate(args) -> int:
                          f"`dflashkit drafter init --target {args.target} --out DIR`) or use "
                          f"--block-size 1 for plain decoding")
     drafter = load_drafter(drafter_path) if args.block_size != 1 else None   # fail fast on a bad folder
-    target = load_target(args.target, progress=not args.json)
+    target = load_target(args.target, progress=not args.json, fast_path=False if args.no_fast_path else None)
     if drafter is not None and drafter.is_untrained:
         print(f"note: {drafter_path} is an UNTRAINED (freshly initialised) drafter: its proposals are "
               "almost never accepted, so expect a slowdown; the output is still the target's own.",
@@ -172,7 +185,7 @@ def cmd_bench(args) -> int:
     if "dflash" in names and drafter_path is None:
         raise ValueError(f"method dflash needs a drafter: pass --drafter DIR (no shipped drafter "
                          f"for {args.target})")
-    target = load_target(args.target)
+    target = load_target(args.target, fast_path=False if args.no_fast_path else None)
     drafter = load_drafter(drafter_path) if "dflash" in names else None
     methods = make_methods(names, target, drafter, args.block_size,
                            load_assistant=lambda name: load_target(name).model)
@@ -182,6 +195,24 @@ def cmd_bench(args) -> int:
                        args.seed, args.out, config, max_turns=args.max_turns)
     print((args.out / "report.md").read_text())
     return 0 if report["lossless"] else 3
+
+
+def cmd_bench_cost(args) -> int:
+    from .checkpoint import load_drafter
+    from .costbench import cost_table, run_cost_bench
+    from .target import load_target
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = sorted(set(backends) - {"fast", "default"})
+    if bad or not backends:
+        raise ValueError(f"--backends: unknown {bad}; choose from fast, default")
+    kvs = [_positive_int(k) for k in args.kv.split(",") if k.strip()]
+    drafter_path = args.drafter or shipped_drafter(args.target)
+    drafter = load_drafter(drafter_path) if drafter_path is not None else None
+    target = load_target(args.target, fast_path=False if backends == ["default"] else None)
+    result = run_cost_bench(target, drafter, kvs, args.max_q, backends, args.repeats, args.out)
+    print(cost_table(result))
+    print(f"wrote {args.out}/costs.md, costs.json, costs.png")
+    return 0
 
 
 def cmd_train(args) -> int:
@@ -241,7 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--block-size", type=_positive_int, help="tokens per verify (1 = plain decoding)")
+    gen.add_argument("--block-size", type=_block_size, default="auto",
+                     help="tokens per verify (1 = plain decoding), or auto (default): chosen at "
+                          "each step from this machine's measured costs and the running acceptance")
+    gen.add_argument("--no-fast-path", action="store_true",
+                     help="use PyTorch's default CPU kernels instead of prepacked weights")
     gen.add_argument("--acceptance", choices=["match", "rejection"], default="match",
                      help="sampling acceptance rule (both lossless)")
     gen.add_argument("--stop-id", type=int, action="append", help="extra stop token id (repeatable)")
@@ -261,7 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--top-k", type=int, default=0)
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--block-size", type=_positive_int, help="dflash block size (default: the drafter's)")
+    bench.add_argument("--block-size", type=_block_size, default="auto",
+                       help="dflash tokens per verify, or auto (default; see generate)")
+    bench.add_argument("--no-fast-path", action="store_true",
+                       help="run our loops on PyTorch's default CPU kernels")
     bench.add_argument("--max-turns", type=_positive_int, help="only the first N turns (MT-Bench has 2)")
     bench.add_argument("--out", type=Path, default=Path("bench-out"))
     bench.set_defaults(func=cmd_bench)
@@ -270,6 +308,16 @@ def build_parser() -> argparse.ArgumentParser:
     from .server import add_serve_parsers
     add_serve_parsers(sub)
     add_export_parsers(sub)
+
+    cost = sub.add_parser("bench-cost", help="cost of verify and draft passes vs this machine's floors")
+    cost.add_argument("--target", required=True)
+    cost.add_argument("--drafter", type=Path, help="default: the shipped drafter of the target, if any")
+    cost.add_argument("--kv", default="256,2048", help="comma-separated KV lengths")
+    cost.add_argument("--max-q", type=_positive_int, default=16)
+    cost.add_argument("--backends", default="fast,default", help="fast, default or both")
+    cost.add_argument("--repeats", type=_positive_int, default=5)
+    cost.add_argument("--out", type=Path, default=Path("bench-cost-out"))
+    cost.set_defaults(func=cmd_bench_cost)
 
     train = sub.add_parser("train", help="run the training pipeline of a YAML config")
     train.add_argument("--config", required=True, type=Path)

@@ -19,7 +19,9 @@ import torch
 
 from .checkpoint import check_compatible
 from .drafter import ContextCache, DFlashDrafter
+from .costs import cost_curve
 from .fastpath import pack_linears
+from .policy import AdaptiveBlockSize
 from .sampling import SamplingConfig, sample, target_probs
 from .target import Target, TargetError
 
@@ -96,6 +98,7 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     decode_s: float = 0.0    # everything after the first token
+    verify_sizes: list[int] = field(default_factory=list)  # tokens per verify pass (1 + drafts)
 
     @property
     def tau(self) -> float:
@@ -114,6 +117,7 @@ class GenerationStats:
             "slot_acceptance_rates": self.slot_acceptance_rates(),
             "prompt_tokens": self.prompt_tokens, "prefill_s": self.prefill_s,
             "draft_s": self.draft_s, "verify_s": self.verify_s, "decode_s": self.decode_s,
+            "verify_sizes": self.verify_sizes,
         }
 
 
@@ -128,6 +132,16 @@ class GenerationResult:
         """Tokens after the first, per second of decoding (prefill excluded)."""
         n = len(self.tokens) - 1
         return n / self.stats.decode_s if n > 0 and self.stats.decode_s > 0 else 0.0
+
+
+def plan_step(policy: AdaptiveBlockSize | None, block_size: int, has_drafter: bool,
+              remaining: int, rows: int = 1) -> tuple[int, bool]:
+    """(drafted tokens to verify, whether to run the drafter) for one step."""
+    if policy is not None:
+        n = min(policy.num_drafts(remaining, rows=rows), remaining - 1)
+        return n, policy.should_draft(n)
+    n = min(block_size - 1, remaining - 1) if has_drafter else 0
+    return n, n > 0
 
 
 def _accept_greedy(proposals: list[int], logits: torch.Tensor) -> tuple[int, int]:
@@ -172,13 +186,15 @@ def speculative_generate(
     max_new_tokens: int = 256,
     sampling: SamplingConfig | None = None,
     stop_token_ids: list[int] | None = None,
-    block_size: int | None = None,
+    block_size: int | str | AdaptiveBlockSize | None = None,
     acceptance: str = "match",
     on_commit: Callable[[list[int], int], None] | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens, lossless with respect to ``target``.
 
-    block_size: tokens per verify pass (1 = plain decoding; default: the drafter's).
+    block_size: tokens per verify pass (1 = plain decoding; default: the drafter's), or
+        "auto" / an ``AdaptiveBlockSize`` (policy.py): at each step verify the number of drafted
+        tokens that maximises expected tokens per second from the measured cost curve.
     acceptance (temperature > 0): "match" drafts greedily and keeps a proposal iff it equals
         the target's own sample; "rejection" samples drafts and uses min(1, p/q). Both emit
         exactly the target's distribution.
@@ -201,11 +217,22 @@ def speculative_generate(
                           f"the target's context of {target.max_positions} tokens")
     if isinstance(drafter, DFlashDrafter):
         drafter = DFlashProposer(drafter, target)
+    trained_block = drafter.drafter.block_size if isinstance(drafter, DFlashProposer) else 16
+    policy = block_size if isinstance(block_size, AdaptiveBlockSize) else None
+    if block_size == "auto":
+        if drafter is None:
+            raise ValueError("block_size='auto' needs a drafter")
+        policy = AdaptiveBlockSize(
+            cost_curve(target, drafter if isinstance(drafter, DFlashProposer) else None,
+                       max_q=trained_block), max_drafts=trained_block - 1)
+    if policy is not None:
+        if drafter is None:
+            raise ValueError("an adaptive block size needs a drafter")
+        block_size = policy.max_drafts + 1
     if block_size is None:
-        block_size = drafter.drafter.block_size if isinstance(drafter, DFlashProposer) else (
-            16 if drafter is not None else 1)
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        block_size = trained_block if drafter is not None else 1
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer or 'auto', got {block_size!r}")
     if block_size > 1 and drafter is None:
         raise ValueError("block_size > 1 needs a drafter; use block_size=1 for plain decoding")
     if block_size == 1:
@@ -244,20 +271,35 @@ def speculative_generate(
     stop_reason = "stop_token" if first in stops else "max_new_tokens"
     done = first in stops or len(generated) >= max_new_tokens
 
+    observations: list[tuple[int, list[int]]] = []   # (position of slot 0, all proposals)
+
+    def settle(final: bool = False) -> None:
+        """Tell the policy how far earlier proposals matched what was committed since."""
+        while observations and (final or observations[0][0] + len(observations[0][1]) < len(committed)):
+            pos, props = observations.pop(0)
+            policy.observe(props, committed[pos + 1:pos + 1 + len(props)])
+
     t_decode = time.perf_counter()
     while not done:
         s = len(committed) - 1
         remaining = max_new_tokens - len(generated)
-        n_draft = min(block_size - 1, remaining - 1) if drafter is not None else 0
+        n_draft, drafting = plan_step(policy, block_size, drafter is not None, remaining)
         proposals, draft_probs = [], None
-        if n_draft > 0:
+        if drafting:
             t = time.perf_counter()
             # "match" drafts greedily (the most likely proposal is the one most often equal to
             # the target's sample); "rejection" needs sampled drafts and their distributions.
             draft_sampling = sampling if acceptance == "rejection" else SamplingConfig()
+            width = policy.max_drafts if policy is not None else n_draft
             prop, draft_probs = drafter.propose(torch.tensor(committed, device=device), pending,
-                                                n_draft, draft_sampling, generator)
+                                                width, draft_sampling, generator)
             proposals = [int(x) for x in prop.tolist()]
+            if policy is not None:
+                observations.append((s, proposals))
+            proposals = proposals[:n_draft]
+            if draft_probs is not None:
+                draft_probs = draft_probs[:n_draft]
+            pending = pending[:, :0] if pending is not None else None
             stats.draft_s += time.perf_counter() - t
         t = time.perf_counter()
         block = torch.tensor([[committed[-1]] + proposals], device=device)
@@ -287,10 +329,17 @@ def speculative_generate(
             done = True
         # Cache keeps the block tokens that are now committed: positions s .. s+len(new)-1.
         Target.rollback(cache, s + len(new))
-        pending = out.features[:, :len(new)] if out.features is not None else None
+        if out.features is not None:   # context the drafter has not seen yet
+            fresh = out.features[:, :len(new)]
+            pending = fresh if pending is None or not pending.shape[1] else torch.cat([pending, fresh], 1)
+        if policy is not None:
+            settle()
         stats.verify_s += time.perf_counter() - t
         stats.acceptance_lengths.append(len(new))
+        stats.verify_sizes.append(len(proposals) + 1)
         if on_commit:
             on_commit(new, min(a, len(new)))
     stats.decode_s = time.perf_counter() - t_decode
+    if policy is not None:
+        settle(final=True)
     return GenerationResult(tokens=generated, stop_reason=stop_reason, stats=stats)

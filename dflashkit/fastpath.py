@@ -4,9 +4,9 @@ Two things make verify passes cheap on a CPU:
 
 * **Prepacked linear weights.** PyTorch's default small-batch matmul (M = 2..16 rows) is far
   from the machine's floor; oneDNN with weights reordered once into its blocked layout is
-  2-3x faster there. For a single row (plain decoding) the default kernel is already at the
-  memory-bandwidth floor and slightly ahead of oneDNN, so :class:`PackedLinear` keeps both:
-  the original weight for one row, the packed copy for more. The cost is a second copy of
+  up to 2x faster from 4 rows on. For 1-3 rows (plain decoding) the default kernel is already
+  near the memory-bandwidth floor and ahead of oneDNN, so :class:`PackedLinear` keeps both:
+  the original weight for few rows, the packed copy for more. The cost is a second copy of
   the linear weights in memory.
 * **A KV cache written in place** (:class:`InPlaceCache`): keys and values go into
   preallocated buffers that grow by doubling, so a step does not re-concatenate the whole
@@ -32,31 +32,34 @@ def fast_path_available(dtype: torch.dtype = torch.float32, device: torch.device
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+# Below this many rows PyTorch's default kernel is as fast or faster: measured on the 0.5B
+# target here, whole forward at KV 256, default vs packed (ms): q=1 84/95, q=2 91/103,
+# q=3 92/104, q=4 177/106, q=16 245/151 (benchmarks/costs/).
+PACKED_MIN_ROWS = 4
+
+
 class PackedLinear(nn.Module):
-    """``nn.Linear`` for inference with a oneDNN-packed copy of the weight for M > 1 rows."""
+    """``nn.Linear`` for inference with a oneDNN-packed copy of the weight for many rows.
+
+    It holds the original ``weight``/``bias`` parameters under the same names (state dicts
+    and ``save_pretrained`` see a plain linear) plus the packed buffer (not saved).
+    """
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.linear = linear   # kept whole: the 1-row path and unpacking use it
-        weight = linear.weight.detach()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None),
-                             persistent=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.linear.bias
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
+            linear.weight.detach(), None), persistent=False)
+        object.__setattr__(self, "original", linear)   # restored by unpack_linears; not a child
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.linear.bias
-        if x.numel() == x.shape[-1] or torch.is_grad_enabled() or x.dtype != torch.float32:
-            return F.linear(x, self.linear.weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(
-            x, self.packed, None if bias is None else bias.detach(), "none", [], "")
+        if x.numel() < PACKED_MIN_ROWS * x.shape[-1] or torch.is_grad_enabled() \
+                or x.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 def pack_linears(module: nn.Module) -> int:
@@ -81,7 +84,7 @@ def unpack_linears(module: nn.Module) -> int:
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, PackedLinear):
-                setattr(parent, name, child.linear)
+                setattr(parent, name, child.original)
                 count += 1
     return count
 
@@ -146,7 +149,10 @@ class InPlaceLayer(DynamicLayer):
         raise NotImplementedError("InPlaceCache serves dflashkit's own loops only")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("InPlaceCache serves dflashkit's own loops only")
+        """Keep only the rows ``indices`` (batched decoding drops finished requests)."""
+        if self.is_initialized:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self.keys, self.values = self._k[:, :, :self._len], self._v[:, :, :self._len]
 
 
 class InPlaceCache(DynamicCache):

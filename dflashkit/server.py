@@ -43,8 +43,10 @@ class ServerConfig:
     host: str = DEFAULT_HOST
     port: int = 8000
     api_key: str | None = None
-    block_size: int | None = None          # default: the drafter's (1 without a drafter)
+    block_size: int | str | None = None    # "auto", or default: the drafter's (1 without one)
+    fast_path: bool = True                 # prepacked CPU kernels where available (fastpath.py)
     max_queue: int = 16                    # waiting requests; one more gets 429
+    max_batch: int = 1                     # requests decoded together (1 = one at a time)
     timeout_s: float = 300.0               # per request, queue wait included
     default_max_tokens: int = 512          # when a request gives none (capped by the context)
     model_name: str | None = None          # id served by /v1/models (default: the target name)
@@ -115,6 +117,8 @@ class Metrics:
         self.decode_tps = Histogram("dflashkit_decode_tokens_per_second",
                                     "Per request: tokens after the first per second of decoding.",
                                     [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000])
+        self.batch = Histogram("dflashkit_batch_size", "Requests decoded together, per batch.",
+                               [1, 2, 4, 8, 16, 32])
         self.accept = Histogram("dflashkit_acceptance_length",
                                 "Tokens committed per verify step (bonus token included).",
                                 list(range(1, max(block_size, 1) + 1)))
@@ -162,7 +166,7 @@ class Metrics:
                                        ("running_requests", "Generations running now.", running)):
                 out += [f"# HELP dflashkit_{name} {help_}", f"# TYPE dflashkit_{name} gauge",
                         f"dflashkit_{name} {value}"]
-            for h in (self.ttft, self.decode_tps, self.accept):
+            for h in (self.ttft, self.decode_tps, self.accept, self.batch):
                 out += h.render()
         return "\n".join(out) + "\n"
 
@@ -333,6 +337,11 @@ class JobQueue:
                 self._cond.wait()
             return self._jobs.popleft() if self._jobs else None
 
+    def take(self, n: int) -> list[Job]:
+        """Up to ``n`` more waiting jobs, without waiting (they join the running batch)."""
+        with self._cond:
+            return [self._jobs.popleft() for _ in range(min(n, len(self._jobs)))]
+
     def withdraw(self, job: Job) -> None:
         with self._cond:
             if job in self._jobs:
@@ -352,19 +361,31 @@ class Engine:
 
     def __init__(self, target, drafter=None, block_size: int | None = None, name: str | None = None,
                  max_queue: int = 16, timeout_s: float = 300.0, default_max_tokens: int = 512,
-                 generate_fn: Callable | None = None, drafter_path: str | None = None):
+                 generate_fn: Callable | None = None, drafter_path: str | None = None,
+                 max_batch: int = 1):
         from .decoding import DFlashProposer, speculative_generate
         from .drafter import DFlashDrafter
         if isinstance(drafter, DFlashDrafter):
             drafter = DFlashProposer(drafter, target)   # checks compatibility before serving
+        self.policy = None     # an adaptive block size, shared by every request (it keeps learning)
+        if block_size == "auto":
+            if not isinstance(drafter, DFlashProposer):
+                raise ValueError("--block-size auto needs a drafter (--drafter DIR)")
+            from .costs import cost_curve
+            from .policy import AdaptiveBlockSize
+            trained = drafter.drafter.block_size
+            self.policy = AdaptiveBlockSize(cost_curve(target, drafter, max_q=trained, progress=True),
+                                            max_drafts=trained - 1)
+            block_size = trained
         if block_size is None:
             block_size = drafter.drafter.block_size if isinstance(drafter, DFlashProposer) else 1
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer or 'auto', got {block_size!r}")
         if block_size > 1 and drafter is None:
             raise ValueError("block_size > 1 needs a drafter (--drafter DIR), or use --block-size 1")
-        if max_queue < 1 or timeout_s <= 0:
-            raise ValueError("max_queue must be >= 1 and timeout must be > 0")
+        if max_queue < 1 or timeout_s <= 0 or max_batch < 1:
+            raise ValueError("max_queue and max_batch must be >= 1 and timeout must be > 0")
+        self.max_batch = max_batch
         self.target, self.drafter, self.block_size = target, drafter, block_size
         self.name = name or target.name
         self.drafter_path = drafter_path
@@ -372,7 +393,7 @@ class Engine:
         self.generate_fn = generate_fn or speculative_generate
         self.queue = JobQueue(max_queue)
         self.metrics = Metrics(block_size)
-        self.running: Job | None = None
+        self.running: list[Job] = []
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -381,11 +402,12 @@ class Engine:
         from .checkpoint import load_drafter
         from .target import load_target
         drafter = load_drafter(cfg.drafter) if cfg.drafter else None
-        target = load_target(cfg.target)
+        target = load_target(cfg.target, fast_path=None if cfg.fast_path else False)
         if drafter is not None and drafter.is_untrained:
             log.warning("%s is an UNTRAINED drafter: expect almost no accepted tokens", cfg.drafter)
         return cls(target, drafter, cfg.block_size, cfg.model_name or cfg.target, cfg.max_queue,
-                   cfg.timeout_s, cfg.default_max_tokens, drafter_path=cfg.drafter)
+                   cfg.timeout_s, cfg.default_max_tokens, drafter_path=cfg.drafter,
+                   max_batch=cfg.max_batch)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -395,8 +417,8 @@ class Engine:
 
     def stop(self) -> None:
         self.queue.close()
-        if self.running is not None:
-            self.running.cancel.set()
+        for job in self.running:
+            job.cancel.set()
 
     @property
     def healthy(self) -> bool:
@@ -415,21 +437,29 @@ class Engine:
             job = self.queue.get()
             if job is None:
                 return
-            if job.cancel.is_set():
+            jobs = [j for j in [job, *self.queue.take(self.max_batch - 1)] if not j.cancel.is_set()]
+            if not jobs:
                 continue
-            self.running = job
+            self.running = jobs
+            with self.metrics.lock:
+                self.metrics.batch.observe(len(jobs))
             try:
-                self._run(job)
+                if len(jobs) == 1:
+                    self._run(jobs[0])
+                else:
+                    self._run_batch(jobs)
             except Exception as e:   # never let one request kill the worker
                 log.exception("generation failed")
-                job.emit(("error", APIError(500, f"generation failed: {e}", "server_error")))
-                self.metrics.count_finished("error")
+                for j in jobs:
+                    j.emit(("error", APIError(500, f"generation failed: {e}", "server_error")))
+                    self.metrics.count_finished("error")
             finally:
-                self.running = None
+                self.running = []
 
-    def _run(self, job: Job) -> None:
+    def _start(self, job: Job):
+        """Per-request state: sampling, text assembly, and the commit callback, which raises
+        ``GenerationAborted`` when the request must end (stop string, timeout, client gone)."""
         from .sampling import SamplingConfig
-        from .target import TargetError
         req = job.request
         sampling = SamplingConfig(req.temperature, req.top_p, req.top_k, req.seed)
         text = TextAssembler(self.target.decode, req.stop)
@@ -457,10 +487,16 @@ class Engine:
                 raise GenerationAborted("cancelled")
 
         stops = self.target.stop_token_ids() + list(req.stop_token_ids)
+        return sampling, text, on_commit, stops
+
+    def _run(self, job: Job) -> None:
+        from .target import TargetError
+        req = job.request
+        sampling, text, on_commit, stops = self._start(job)
         try:
             result = self.generate_fn(self.target, self.drafter, req.prompt_ids,
                                       max_new_tokens=req.max_tokens, sampling=sampling,
-                                      stop_token_ids=stops, block_size=self.block_size,
+                                      stop_token_ids=stops, block_size=self.policy or self.block_size,
                                       on_commit=on_commit)
             reason = "stop" if result.stop_reason == "stop_token" else "length"
         except GenerationAborted as e:
@@ -469,10 +505,38 @@ class Engine:
             job.emit(("error", APIError(400, str(e))))
             self.metrics.count_finished("error")
             return
+        self._finish(job, text, reason)
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        """Requests that arrived together, decoded together (batch.py); each one streams and
+        ends on its own, exactly as it would alone."""
+        from .batch import BatchRequest, batch_generate
+        requests, texts, reasons = [], [], {}
+        for k, job in enumerate(jobs):
+            sampling, text, on_commit, stops = self._start(job)
+
+            def commit(new_ids, from_draft, k=k, on_commit=on_commit):
+                try:
+                    on_commit(new_ids, from_draft)
+                except GenerationAborted as e:
+                    reasons[k] = e.reason
+                    return False
+                return True
+            requests.append(BatchRequest(job.request.prompt_ids, job.request.max_tokens, sampling,
+                                         stops, commit))
+            texts.append(text)
+        results = batch_generate(self.target, self.drafter, requests,
+                                 block_size=self.policy or self.block_size)
+        for k, (job, text, result) in enumerate(zip(jobs, texts, results)):
+            reason = reasons.get(k) or ("stop" if result.stop_reason == "stop_token" else "length")
+            self._finish(job, text, reason)
+
+    def _finish(self, job: Job, text: "TextAssembler", reason: str) -> None:
+        stats = job.stats
         tail = text.finish()
         if tail:
             job.emit(("delta", tail, 0))
-        self.metrics.record_generation(stats, len(req.prompt_ids))
+        self.metrics.record_generation(stats, len(job.request.prompt_ids))
         self.metrics.count_finished(reason)
         if reason in ("cancelled", "timeout"):
             job.emit(("error", _timeout_error(self.timeout_s) if reason == "timeout" else
@@ -608,11 +672,11 @@ def create_app(engine: Engine, api_key: str | None = None):
         if not engine.healthy:
             return JSONResponse({"status": "unhealthy", "reason": "the worker thread is not running"},
                                 status_code=503)
-        return {"status": "ok", "queue_depth": len(engine.queue), "running": engine.running is not None}
+        return {"status": "ok", "queue_depth": len(engine.queue), "running": len(engine.running)}
 
     @app.get("/metrics")
     async def metrics():
-        text = engine.metrics.render(len(engine.queue), int(engine.running is not None),
+        text = engine.metrics.render(len(engine.queue), len(engine.running),
                                      engine.queue.capacity)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -836,14 +900,18 @@ def serve(cfg: ServerConfig) -> None:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", cfg.host)
     engine = Engine.from_config(cfg)
     app = create_app(engine, cfg.api_key)
-    print(f"dflashkit serve: {engine.name} (block size {engine.block_size}) on http://{cfg.host}:{cfg.port}/",
+    mode = f"adaptive, up to {engine.block_size}" if engine.policy else str(engine.block_size)
+    print(f"dflashkit serve: {engine.name} (block size {mode}) on http://{cfg.host}:{cfg.port}/",
           file=sys.stderr)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
 
 
 def cmd_serve(args) -> int:
     serve(ServerConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
-                       api_key=args.api_key, block_size=args.block_size, max_queue=args.max_queue,
+                       api_key=args.api_key, max_queue=args.max_queue, fast_path=not args.no_fast_path,
+                       max_batch=args.max_batch,
+                       block_size=args.block_size if args.block_size is not None else (
+                           "auto" if args.drafter else None),
                        timeout_s=args.timeout, default_max_tokens=args.default_max_tokens,
                        model_name=args.model_name))
     return 0
@@ -857,8 +925,8 @@ def _positive_float(text: str) -> float:
 
 
 def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
-    from .cli import _positive_int
     """Register ``serve`` on a subparsers object (``set_defaults(func=cmd_serve)``)."""
+    from .cli import _block_size, _positive_int
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with speculative decoding",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="registry name or local Hugging Face folder")
@@ -866,8 +934,13 @@ def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
-    p.add_argument("--block-size", type=_positive_int, default=None,
-                   help="tokens per verify pass (default: the drafter's; 1 = plain decoding)")
+    p.add_argument("--block-size", type=_block_size, default=None,
+                   help="tokens per verify pass (1 = plain decoding), or auto (the default with a "
+                        "drafter): chosen per step from this machine's measured costs")
+    p.add_argument("--no-fast-path", action="store_true", help="PyTorch's default CPU kernels")
+    p.add_argument("--max-batch", type=_positive_int, default=ServerConfig.max_batch,
+                   help="requests waiting together are decoded together, up to this many "
+                        "(1 = one at a time)")
     p.add_argument("--max-queue", type=_positive_int, default=16, help="waiting requests before 429")
     p.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds per request")
     p.add_argument("--default-max-tokens", type=_positive_int, default=512)

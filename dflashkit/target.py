@@ -214,17 +214,21 @@ class Target(TargetInfo):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, cache: DynamicCache | None,
                 capture: list[int] | None = None, last_only: bool = False,
-                attention_mask: torch.Tensor | None = None) -> TargetOutput:
+                attention_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> TargetOutput:
         """Run ``input_ids`` [b, q] at positions start..start+q-1 on top of ``cache``.
 
         ``capture``: target layer ids whose OUTPUTS (= HF ``hidden_states[j + 1]``, the raw
         residual stream) are returned concatenated in the given order.
+        ``positions`` [b, q] / ``attention_mask`` [b, cache + q]: rows at their own positions
+        over a shared cache with holes (batched decoding; ``start`` is then ignored).
         """
         b, q = input_ids.shape
-        if start + q > self.max_positions:
-            raise TargetError(f"sequence of {start + q} tokens exceeds the target's context "
-                              f"({self.max_positions}); shorten the prompt or max_new_tokens")
-        positions = torch.arange(start, start + q, device=input_ids.device).expand(b, q)
+        if positions is None:
+            positions = torch.arange(start, start + q, device=input_ids.device).expand(b, q)
+        if int(positions.max()) + 1 > self.max_positions:
+            raise TargetError(f"sequence of {int(positions.max()) + 1} tokens exceeds the target's "
+                              f"context ({self.max_positions}); shorten the prompt or max_new_tokens")
         layer_ids = list(capture or [])
         with self.capturing(layer_ids) as store:
             out = self.model(input_ids=input_ids, position_ids=positions, cache=cache,

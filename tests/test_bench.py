@@ -30,6 +30,10 @@ def test_pooled_speedup_tau_and_histogram():
     assert s["dflash"]["acceptance_histogram"] == {"1": 2, "2": 2, "3": 0, "4": 3}
     assert s["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     assert s["dflash"]["slot_acceptance"][0] == pytest.approx(5 / 7)
+    assert s["dflash"]["speedup_vs_ar_loop"] is None      # no ar-loop records in this run
+    loop = [rec("ar-loop", "a", 11, 0.8), rec("ar-loop", "b", 21, 2.2)]
+    s = summarize(records + loop)["s"]
+    assert s["dflash"]["speedup_vs_ar_loop"] == pytest.approx((3.0 / 30) / (1.5 / 30))
 
 
 def test_lossless_check_flags_an_injected_mismatch():
@@ -57,14 +61,19 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
     prompts = {"humaneval": [BenchPrompt("humaneval", "h1", ["def f(x): return x"])],
                "mtbench": [BenchPrompt("mtbench", "m1", ["Hello there", "And again"])]}
     monkeypatch.setattr("dflashkit.bench.load_suite", lambda s, n, seed: prompts[s])
-    methods = make_methods(["ar", "ar-loop", "dflash", "prompt-lookup", "assisted:tiny"], target, drafter,
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))   # dflash:auto's cost curve
+    methods = make_methods(["ar", "ar-loop", "dflash", "dflash:2", "dflash:auto", "prompt-lookup",
+                            "assisted:tiny"], target, drafter,
                            block_size=4, load_assistant=lambda name: assistant)
     report = run_bench(target, methods, ["humaneval", "mtbench"], 1, 12, SamplingConfig(), 0, tmp_path,
                        {"target": "tiny"}, progress=False)
     assert report["lossless"], "a method differs from ar at temperature 0"
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
-    assert len(lines) == 5 * 3                      # 5 methods x (1 + 2 turns)
+    assert len(lines) == 7 * 3                      # 7 methods x (1 + 2 turns)
     assert {json.loads(x)["method"] for x in lines} == set(methods)
     for name in ("summary.json", "report.md", "speedup.png", "acceptance.png"):
         assert (tmp_path / name).exists(), name
     assert "tau" in report["summary"]["mtbench"]["dflash"]
+    assert "tau" in report["summary"]["mtbench"]["dflash:auto"]
+    with pytest.raises(ValueError, match="positive integer or 'auto'"):
+        make_methods(["ar", "dflash:zero"], target, drafter)

@@ -67,3 +67,20 @@ def test_llama_target_smollm2(tmp_path):
     stops = target.stop_token_ids()
     cut = next((i + 1 for i, t in enumerate(ref) if t in stops), len(ref))
     assert res.tokens == ref[:cut]
+
+
+def test_fast_path_equals_default_path_on_the_real_model(qwen):
+    """Prepacked kernels + in-place cache give the same greedy tokens as PyTorch's defaults,
+    with the shipped drafter at a fixed and at the adaptive block size."""
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.cli import shipped_drafter
+    drafter = load_drafter(shipped_drafter(QWEN))
+    ids = qwen.encode_prompt(PROMPT)
+    runs = {}
+    for fast in (False, True):
+        qwen.set_fast_path(fast)
+        runs[fast, 1] = speculative_generate(qwen, None, ids, max_new_tokens=48, block_size=1).tokens
+        runs[fast, 4] = speculative_generate(qwen, drafter, ids, max_new_tokens=48, block_size=4).tokens
+    runs["auto"] = speculative_generate(qwen, drafter, ids, max_new_tokens=48, block_size="auto").tokens
+    qwen.set_fast_path(True)
+    assert len(set(map(tuple, runs.values()))) == 1, runs

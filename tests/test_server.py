@@ -4,6 +4,8 @@ Most tests use a tiny random Llama with the SmolLM2 tokenizer (real text, a chat
 and a random drafter, both saved to a tmp folder and loaded the way ``serve`` loads them.
 """
 
+import json
+import os
 import shutil
 import socket
 import threading
@@ -315,7 +317,7 @@ def test_queue_full_gets_429_and_order_is_kept(server):
     with slowed(engine, gate):
         a = threading.Thread(target=call, args=("a",))
         a.start()
-        _wait(lambda: engine.running is not None)
+        _wait(lambda: bool(engine.running))
         b = threading.Thread(target=call, args=("b",))
         b.start()
         _wait(lambda: len(engine.queue) == 1)
@@ -350,7 +352,7 @@ def test_disconnect_mid_stream_frees_the_worker(server):
             while '"pieces"' not in next(lines):
                 pass
         # 200 tokens at 50 ms each would take 10 s; the closed stream stops it at once.
-        _wait(lambda: engine.running is None, timeout=3)
+        _wait(lambda: not engine.running, timeout=3)
     assert _generations(url, "cancelled") == before + 1
     _healthy(url)
 
@@ -363,7 +365,7 @@ def test_per_request_timeout(server):
     try:
         with slowed(engine, delay=0.05):
             r = httpx.post(url + CHAT, headers=AUTH, json=body, timeout=30)
-            _wait(lambda: engine.running is None, timeout=3)
+            _wait(lambda: not engine.running, timeout=3)
     finally:
         engine.timeout_s = old
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
@@ -471,7 +473,8 @@ def test_serve_process_end_to_end(tiny_dirs):
     sock.close()
     proc = subprocess.Popen([sys.executable, "-m", "dflashkit.server", "--target", str(target_dir),
                              "--drafter", str(drafter_dir), "--port", str(port), "--api-key", KEY,
-                             "--model-name", "tiny"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "--model-name", "tiny"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "DFLASHKIT_CACHE": str(target_dir.parent / "cache")})
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -485,7 +488,9 @@ def test_serve_process_end_to_end(tiny_dirs):
                 time.sleep(0.2)
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
         resp = client.chat.completions.create(model="tiny", messages=HI, max_tokens=5, temperature=0)
+        # no --block-size with a drafter: adaptive, up to the drafter's block of 4
         assert resp.usage.completion_tokens == 5 and resp.model_extra["dflash"]["block_size"] == 4
+        assert list((target_dir.parent / "cache" / "costs").glob("*.json"))
     finally:
         proc.terminate()
         proc.wait(10)
@@ -530,3 +535,48 @@ def test_real_smollm2_through_the_server_equals_plain_decoding(tmp_path):
                                    sampling=SamplingConfig())
     assert resp.choices[0].message.content == target.decode(ref.tokens)
     assert resp.usage.completion_tokens == len(ref.tokens)
+
+
+def test_requests_waiting_together_are_decoded_together(tiny_dirs):
+    """With --max-batch 4, three queued requests run as one batch; each gets exactly what it
+    gets alone (greedy), including a stop string and a streamed answer."""
+    target_dir, drafter_dir = tiny_dirs
+    engine = Engine.from_config(ServerConfig(target=str(target_dir), drafter=str(drafter_dir),
+                                             model_name="tiny", max_queue=8, max_batch=4, block_size=4))
+    bodies = [{"model": "tiny", "messages": [{"role": "user", "content": f"Count to {i}."}],
+               "max_tokens": 12 + 5 * i, "temperature": 0, "stop_token_ids": []} for i in range(4)]
+    bodies[2]["stop"] = ["\n"]
+    results = {}
+    with live_server(engine, KEY) as url, slowed(engine, gate := threading.Event()):
+        def call(i):
+            if i == 3:   # streamed
+                with httpx.stream("POST", url + CHAT, headers=AUTH, json={**bodies[i], "stream": True},
+                                  timeout=60) as r:
+                    results[i] = "".join(
+                        json.loads(ln[6:])["choices"][0]["delta"].get("content") or ""
+                        for ln in r.iter_lines() if ln.startswith("data: {") and '"choices"' in ln)
+            else:
+                r = httpx.post(url + CHAT, headers=AUTH, json=bodies[i], timeout=60)
+                results[i] = r.json()["choices"][0]["message"]["content"]
+
+        threads = [threading.Thread(target=call, args=(0,))]
+        threads[0].start()
+        _wait(lambda: bool(engine.running))          # request 0 runs alone, held at the gate
+        for i in (1, 2, 3):
+            threads.append(threading.Thread(target=call, args=(i,)))
+            threads[-1].start()
+        try:
+            _wait(lambda: len(engine.queue) == 3)
+        finally:
+            gate.set()
+        for t in threads:
+            t.join(60)
+        metrics = httpx.get(url + "/metrics", headers=AUTH).text
+    assert 'dflashkit_batch_size_bucket{le="2"} 1' in metrics      # request 0 alone ...
+    assert 'dflashkit_batch_size_bucket{le="4"} 2' in metrics      # ... then 1, 2, 3 together
+    for i, body in enumerate(bodies):
+        ids = engine.target.encode_prompt(body["messages"])
+        ref = engine.target.decode(_reference(engine, ids, body["max_tokens"], stop_token_ids=[]).tokens)
+        if "stop" in body:
+            ref = ref.split("\n")[0]
+        assert results[i] == ref, i

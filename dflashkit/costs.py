@@ -1,0 +1,212 @@
+"""What each pass of the decoding loop costs on this machine, and what it could cost.
+
+Speculation pays only when verifying q tokens costs little more than decoding one. This
+module measures that cost curve (a target forward over q new tokens on top of a KV cache),
+the drafter's pass, and the machine's two floors, measured in the same run:
+
+* bandwidth floor: the bytes of every weight a pass reads, over the measured memory bandwidth;
+* compute floor: the pass's FLOPs over the measured fp32 matrix-multiply peak.
+
+The decoding loop's adaptive block size (``policy.py``) reads a cost curve cached per
+machine, target and backend in ``~/.cache/dflashkit/costs/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint import atomic_write
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def median_ms(fn, repeats: int = 5, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def measure_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth: a reduction over a buffer far larger than any cache."""
+    x = torch.ones(megabytes * (1 << 20) // 4)
+    ms = median_ms(lambda: x.sum(), repeats=repeats)
+    return x.numel() * 4 / (ms / 1000) / 1e9
+
+
+def measure_matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """fp32 matrix-multiply peak: a square product big enough to be compute-bound."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    ms = median_ms(lambda: a @ b, repeats=repeats)
+    return 2 * n ** 3 / (ms / 1000) / 1e9
+
+
+def pass_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights one forward pass reads: all parameters except the input
+    embedding (only its looked-up rows are read)."""
+    embed = model.get_input_embeddings().weight
+    total = 0
+    seen = set()
+    for p in model.parameters():
+        if p.data_ptr() in seen or p is embed:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    if embed.data_ptr() == model.get_output_embeddings().weight.data_ptr():  # tied
+        total += embed.numel() * embed.element_size()
+    return total
+
+
+def pass_flops(target, q: int, kv_length: int) -> float:
+    """Matmul FLOPs of a target forward over q new tokens: 2 per weight per token, plus
+    attention scores and values over the cache."""
+    weights = pass_weight_bytes(target.model) / target.model.get_output_embeddings().weight.element_size()
+    cfg = target.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = 4 * q * (kv_length + q) * cfg.num_attention_heads * head_dim * target.num_layers
+    return 2 * weights * q + attn
+
+
+@torch.inference_mode()
+def measure_verify_ms(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
+                      repeats: int = 5) -> dict[int, float]:
+    """Median time of a target forward over q new tokens at KV length ``kv_length``."""
+    g = torch.Generator().manual_seed(0)
+    low, vocab = min(100, target.num_embeddings // 4), min(target.num_embeddings, 20000)
+    prompt = torch.randint(low, vocab, (1, kv_length), generator=g)
+    cache = target.new_cache()
+    target.forward(prompt, 0, cache)
+    out = {}
+    for q in qs:
+        block = torch.randint(low, vocab, (1, q), generator=g)
+
+        def step():
+            target.forward(block, kv_length, cache, capture=capture)
+            target.rollback(cache, kv_length)
+        out[q] = median_ms(step, repeats=repeats)
+    return out
+
+
+@torch.inference_mode()
+def measure_draft_ms(target, drafter, kv_length: int, num_slots: int | None = None,
+                     new_context: int = 2, repeats: int = 5) -> float:
+    """Median time of one drafter proposal (body + LM head over the verified slots), with
+    ``new_context`` fresh context tokens as after a typical step."""
+    from .decoding import DFlashProposer
+    from .sampling import SamplingConfig
+    proposer = drafter if isinstance(drafter, DFlashProposer) else DFlashProposer(drafter, target)
+    slots = num_slots or proposer.drafter.block_size - 1
+    width = len(proposer.feature_layers) * target.hidden_size
+    g = torch.Generator().manual_seed(0)
+    proposer.begin()
+    committed = torch.randint(0, min(1000, target.num_embeddings), (kv_length + 1,), generator=g)
+    proposer.propose(committed[:kv_length - new_context + 1],
+                     torch.randn(1, kv_length - new_context, width, generator=g).to(target.dtype),
+                     slots, SamplingConfig(), None)
+    base = proposer.cache.length
+    feats = torch.randn(1, new_context, width, generator=g).to(target.dtype)
+
+    def step():
+        proposer.propose(committed, feats, slots, SamplingConfig(), None)
+        proposer.cache.crop(base)
+    return median_ms(step, repeats=repeats)
+
+
+@dataclass
+class CostCurve:
+    """Measured milliseconds of a verify pass over q tokens, and of one drafter pass."""
+
+    target: str
+    backend: str                      # "fast" | "default"
+    kv_length: int
+    verify_ms: dict[int, float]
+    draft_ms: float = 0.0
+    threads: int = field(default_factory=torch.get_num_threads)
+    cpu: str = field(default_factory=cpu_model)
+
+    def verify(self, q: int) -> float:
+        """Cost of verifying q tokens; linear between measured points, flat past the last."""
+        pts = sorted(self.verify_ms.items())
+        if q <= pts[0][0]:
+            return pts[0][1]
+        for (q0, c0), (q1, c1) in zip(pts, pts[1:]):
+            if q0 <= q <= q1:
+                return c0 + (c1 - c0) * (q - q0) / (q1 - q0)
+        (qa, ca), (qb, cb) = pts[-2:] if len(pts) > 1 else (pts[0], pts[0])
+        slope = (cb - ca) / (qb - qa) if qb != qa else 0.0
+        return cb + slope * (q - qb)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CostCurve":
+        d = dict(d)
+        d["verify_ms"] = {int(k): float(v) for k, v in d["verify_ms"].items()}
+        return cls(**d)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASHKIT_CACHE", Path.home() / ".cache" / "dflashkit")) / "costs"
+
+
+def _cache_key(target, drafter_id: str, max_q: int, kv_length: int) -> str:
+    ident = json.dumps([target.name, target.config.to_dict().get("num_hidden_layers"),
+                        target.hidden_size, "fast" if target.fast_path else "default",
+                        drafter_id, max_q, kv_length, torch.get_num_threads(), cpu_model(),
+                        torch.__version__])
+    return hashlib.sha1(ident.encode()).hexdigest()[:16]
+
+
+def cost_curve(target, proposer=None, max_q: int = 16, kv_length: int = 256,
+               repeats: int = 3, use_cache: bool = True, progress: bool = False) -> CostCurve:
+    """The target's verify curve for q = 1..max_q (and the drafter's pass), measured once
+    per machine/target/backend/thread count and then read from the cache folder."""
+    kv_length = max(1, min(kv_length, target.max_positions - max_q - 1))   # small test models
+    drafter_id = ""
+    if proposer is not None:
+        cfg = proposer.drafter.config
+        drafter_id = f"{cfg.num_hidden_layers}x{cfg.hidden_size}-B{cfg.block_size}-V{len(proposer.vocab) if proposer.vocab is not None else 0}"
+    path = cache_dir() / f"{_cache_key(target, drafter_id, max_q, kv_length)}.json"
+    if use_cache and path.exists():
+        try:
+            return CostCurve.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            pass   # a damaged cache entry is measured again
+    if progress:
+        print(f"measuring verify costs of {target.name} (q = 1..{max_q}, once per machine)...",
+              flush=True)
+    capture = proposer.feature_layers if proposer is not None else None
+    curve = CostCurve(target=target.name, backend="fast" if target.fast_path else "default",
+                      kv_length=kv_length,
+                      verify_ms=measure_verify_ms(target, list(range(1, max_q + 1)), kv_length,
+                                                  capture, repeats))
+    if proposer is not None:
+        curve.draft_ms = measure_draft_ms(target, proposer, kv_length, repeats=repeats)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(curve.to_json(), indent=1)))
+    return curve

@@ -1,0 +1,133 @@
+"""The adaptive block size: the cost model's choice on constructed curves, its running
+acceptance estimates, and that decoding with it stays lossless."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflashkit.costs import CostCurve, cost_curve
+from dflashkit.decoding import DFlashProposer, speculative_generate
+from dflashkit.policy import AdaptiveBlockSize, best_num_drafts, expected_tokens
+from tests.conftest import EOS
+from tests.test_decoding import OracleProposer, _long_reference, cached_target, hf_greedy
+
+
+def curve(points, draft=0.0):
+    return CostCurve(target="t", backend="fast", kv_length=256, verify_ms=points, draft_ms=draft)
+
+
+def test_choice_on_hand_computed_example():
+    c = curve({1: 100, 2: 105, 3: 110, 4: 200}, draft=5)
+    rates = [0.6, 0.4, 0.3]
+    # n=0: 1/100  n=1: 1.6/110  n=2: 2.0/115  n=3: 2.3/205  -> n = 2
+    assert best_num_drafts(rates, c, 3) == 2
+    assert expected_tokens(rates, 2) == pytest.approx(2.0)
+
+
+def test_flat_cost_verifies_everything_and_steep_cost_nothing():
+    flat = curve({q: 10.0 for q in range(1, 17)}, draft=1)
+    steep = curve({q: 10.0 * q for q in range(1, 17)}, draft=1)
+    rates = [0.9 ** (k + 1) for k in range(15)]
+    assert best_num_drafts(rates, flat, 15) == 15
+    assert best_num_drafts(rates, steep, 15) == 0
+    # a drafter that is never right is never worth verifying, however cheap the verify
+    assert best_num_drafts([0.0] * 15, flat, 15) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.floats(1, 500), min_size=8, max_size=8),
+       rates=st.lists(st.floats(0, 1), min_size=7, max_size=7),
+       draft=st.floats(0, 50))
+def test_choice_is_the_brute_force_argmax(costs, rates, draft):
+    rates = [min(rates[:k + 1]) for k in range(len(rates))]   # prefix rates never grow
+    c = curve({q + 1: v for q, v in enumerate(costs)}, draft)
+    n = best_num_drafts(rates, c, 7)
+    value = lambda m: (1 + sum(rates[:m])) / (costs[m] + (draft if m else 0))
+    assert value(n) >= max(value(m) for m in range(8)) * (1 - 1e-9)
+
+
+def test_curve_interpolates_and_extrapolates():
+    c = curve({1: 10, 4: 40, 8: 60})
+    assert c.verify(2) == pytest.approx(20) and c.verify(6) == pytest.approx(50)
+    assert c.verify(10) == pytest.approx(70)
+    assert CostCurve.from_json(json.loads(json.dumps(c.to_json()))) == c
+
+
+def test_running_estimates_are_prefix_rates():
+    p = AdaptiveBlockSize(curve({1: 10, 2: 11, 3: 12, 4: 13}), max_drafts=3, prior_weight=0.0)
+    p.observe([5, 6, 7], [5, 6, 9])   # first two right, third wrong
+    p.observe([5, 8, 7], [5, 6, 7])   # first right; the third matching alone does not count
+    p.observe([1, 2, 3], [1])         # only slot 1 can be judged yet
+    assert p.observed == [3, 2, 2]
+    assert p.matched == [3, 1, 0]
+    assert p.prefix_rates() == pytest.approx([1.0, 0.5, 0.0])
+
+
+def test_policy_learns_from_an_oracle_and_stays_lossless(family):
+    target, _ = cached_target(family)
+    prompt = [7, 11, 13, 17, 19]
+    ref = _long_reference(target, prompt, 60)
+    policy = AdaptiveBlockSize(curve({q: 10.0 + q for q in range(1, 9)}, draft=1), max_drafts=7,
+                               prior=[0.01] * 7)
+    res = speculative_generate(target, OracleProposer(ref, len(prompt)), prompt,
+                               max_new_tokens=60, block_size=policy, stop_token_ids=[])
+    assert res.tokens == ref
+    # starts pessimistic (verifies nothing, drafts to explore), ends verifying whole blocks
+    assert res.stats.verify_sizes[0] == 1 and res.stats.verify_sizes[-2] == 8
+
+
+@pytest.mark.parametrize("family_name", ["qwen2", "llama"])
+@pytest.mark.parametrize("points", [{q: 5.0 for q in range(1, 17)}, {q: 5.0 * q for q in range(1, 17)},
+                                    {1: 5.0, 4: 6.0, 8: 20.0, 16: 21.0}])
+def test_adaptive_random_drafter_equals_hf_generate(family_name, points):
+    target, drafter = cached_target(family_name)
+    for seed, prompt in enumerate(([3, 4, 5], [9] * 12, list(range(20, 40)))):
+        policy = AdaptiveBlockSize(curve(points, draft=1.0), max_drafts=15, explore_every=2)
+        ref = hf_greedy(target, prompt, 33)
+        res = speculative_generate(target, drafter, prompt, max_new_tokens=33, block_size=policy,
+                                   stop_token_ids=[EOS])
+        assert res.tokens == ref
+        assert sum(res.stats.acceptance_lengths) + 1 == len(res.tokens)
+
+
+def test_auto_measures_caches_and_stays_lossless(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
+    target, drafter = cached_target("qwen2")
+    prompt = [3, 4, 5, 6]
+    ref = hf_greedy(target, prompt, 20)
+    res = speculative_generate(target, drafter, prompt, max_new_tokens=20, block_size="auto",
+                               stop_token_ids=[EOS])
+    assert res.tokens == ref
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1
+    saved = CostCurve.from_json(json.loads(files[0].read_text()))
+    assert sorted(saved.verify_ms) == list(range(1, 17)) and saved.draft_ms > 0
+    # a second call reads the cache instead of measuring again
+    again = cost_curve(target, DFlashProposer(drafter, target), max_q=16)
+    assert again == saved
+
+
+def test_auto_needs_a_drafter():
+    target, _ = cached_target("qwen2")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        speculative_generate(target, None, [3, 4], max_new_tokens=4, block_size="auto")
+    with pytest.raises(ValueError, match="positive integer or 'auto'"):
+        speculative_generate(target, None, [3, 4], max_new_tokens=4, block_size="fast")
+
+
+def test_default_and_fast_path_agree_on_tiny_model():
+    target, drafter = cached_target("qwen3")
+    prompt = list(range(5, 30))
+    outs = []
+    for fast in (False, True):
+        target.set_fast_path(fast)
+        outs.append(speculative_generate(target, drafter, prompt, max_new_tokens=30, block_size=6,
+                                         stop_token_ids=[]).tokens)
+    target.set_fast_path(True)
+    assert outs[0] == outs[1]
+    x = torch.randn(1, 6, target.hidden_size)
+    layer = target.layers[0].mlp.up_proj
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight))
