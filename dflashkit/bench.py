@@ -277,24 +277,65 @@ def environment() -> dict:
 
 # --- the run -------------------------------------------------------------------------------
 
+def _resume(out_dir: Path, fingerprint: dict, fresh: bool) -> dict[tuple, Record]:
+    """Records of an interrupted run with the same configuration, keyed by
+    (suite, prompt, turn, method); a different configuration in the same folder is an error."""
+    run_file, log_file = out_dir / "run.json", out_dir / "records.jsonl"
+    if fresh or not log_file.exists():
+        atomic_write(run_file, lambda tmp: Path(tmp).write_text(json.dumps(fingerprint, indent=1)))
+        log_file.write_text("")
+        return {}
+    old = json.loads(run_file.read_text()) if run_file.exists() else None
+    if old != fingerprint:
+        raise ValueError(f"{out_dir} holds a bench run with a different configuration; pass another "
+                         f"--out, or --fresh to start this folder over")
+    done: dict[tuple, Record] = {}
+    lines = log_file.read_text().splitlines()
+    for line in lines:
+        try:
+            rec = Record(**json.loads(line))
+        except (json.JSONDecodeError, TypeError):
+            break     # a torn last line from an interrupted write
+        done[(rec.suite, rec.prompt_id, rec.turn, rec.method)] = rec
+    log_file.write_text("".join(json.dumps(asdict(r)) + "\n" for r in done.values()))
+    return done
+
+
 def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num_prompts: int,
               max_new_tokens: int, sampling: SamplingConfig, seed: int, out_dir: Path,
-              config: dict, progress: bool = True, max_turns: int | None = None) -> dict:
+              config: dict, progress: bool = True, max_turns: int | None = None,
+              fresh: bool = False) -> dict:
+    """Run (or resume: same configuration, same --out) the benchmark; returns the report."""
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts: list[BenchPrompt] = [p for s in suites for p in load_suite(s, num_prompts, seed)]
     if max_turns:
         prompts = [BenchPrompt(p.suite, p.id, p.turns[:max_turns]) for p in prompts]
     stops = target.stop_token_ids()
+    fingerprint = {"target": target.name, "drafter": config.get("drafter"), "suites": suites,
+                   "methods": list(methods), "num_prompts": num_prompts,
+                   "max_new_tokens": max_new_tokens, "sampling": asdict(sampling), "seed": seed,
+                   "max_turns": max_turns, "block_size": str(config.get("block_size")),
+                   "fast_path": getattr(target, "fast_path", None)}
+    done = _resume(out_dir, fingerprint, fresh)
     records: list[Record] = []
-    log = (out_dir / "records.jsonl").open("w")
+    log = (out_dir / "records.jsonl").open("a")
     total_turns = sum(len(p.turns) for p in prompts)
     bar = tqdm(total=total_turns * len(methods), disable=not progress, desc="bench")
+    spec = next((m for m in methods if m.startswith("dflash")), None)
     for p in prompts:
         history: dict[str, list[dict]] = {m: [] for m in methods}
         for turn, text in enumerate(p.turns):
             ar_tokens = None
             for name, method in methods.items():   # interleaved: every method on this turn
                 messages = history[name] + [{"role": "user", "content": text}]
+                previous = done.get((p.suite, p.id, turn, name))
+                if previous is not None:            # finished before an interruption
+                    records.append(previous)
+                    ar_tokens = previous.tokens if name == "ar" else ar_tokens
+                    history[name] = messages + [{"role": "assistant",
+                                                 "content": target.decode(previous.tokens)}]
+                    bar.update(1)
+                    continue
                 ids = target.encode_prompt(messages)
                 r = method(ids, max_new_tokens, sampling, stops)
                 rec = Record(p.suite, p.id, turn, name, len(r.tokens), r.prefill_s, r.decode_s, r.tokens,
@@ -315,8 +356,8 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
                 log.flush()
                 bar.update(1)
             summary = summarize(records)
-            if "dflash" in methods:
-                e = summary.get(p.suite, {}).get("dflash", {})
+            if spec is not None:
+                e = summary.get(p.suite, {}).get(spec, {})
                 bar.set_postfix(suite=p.suite, tau=f"{e.get('tau', 0):.2f}",
                                 speedup=f"{e.get('speedup_vs_ar') or 0:.2f}x")
     bar.close()

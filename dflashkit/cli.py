@@ -192,7 +192,7 @@ def cmd_bench(args) -> int:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     config["drafter"] = str(drafter_path) if drafter is not None else None
     report = run_bench(target, methods, suites, args.num_prompts, args.max_new_tokens, sampling,
-                       args.seed, args.out, config, max_turns=args.max_turns)
+                       args.seed, args.out, config, max_turns=args.max_turns, fresh=args.fresh)
     print((args.out / "report.md").read_text())
     return 0 if report["lossless"] else 3
 
@@ -302,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run our loops on PyTorch's default CPU kernels")
     bench.add_argument("--max-turns", type=_positive_int, help="only the first N turns (MT-Bench has 2)")
     bench.add_argument("--out", type=Path, default=Path("bench-out"))
+    bench.add_argument("--fresh", action="store_true",
+                       help="start over instead of resuming the run already in --out")
     bench.set_defaults(func=cmd_bench)
 
     from .export import add_export_parsers

@@ -77,3 +77,48 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
     assert "tau" in report["summary"]["mtbench"]["dflash:auto"]
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
         make_methods(["ar", "dflash:zero"], target, drafter)
+
+
+def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path):
+    target = tiny_target("qwen2", seed=3)
+    calls = {"n": 0, "limit": 5}
+
+    def counted(method):
+        def run(ids, n, s, stops):
+            calls["n"] += 1
+            if calls["n"] > calls["limit"]:
+                raise KeyboardInterrupt
+            return method(ids, n, s, stops)
+        return run
+
+    prompts = [BenchPrompt("humaneval", f"h{i}", [f"task {i}"]) for i in range(4)]
+
+    class Tok:
+        chat_template = "x"
+
+    target.tokenizer = Tok()
+    base = make_methods(["ar", "ar-loop"], target)
+    methods = {k: counted(v) for k, v in base.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(target), "encode_prompt",
+                   lambda self, msgs, chat=True: [3 + (ord(c) % 80) for m in msgs for c in m["content"]])
+        mp.setattr(type(target), "decode", lambda self, ids: "x" * len(ids))
+        mp.setattr("dflashkit.bench.load_suite", lambda s, n, seed: prompts)
+        args = (target, methods, ["humaneval"], 4, 6, SamplingConfig(), 0, tmp_path, {"target": "tiny"})
+        with pytest.raises(KeyboardInterrupt):
+            run_bench(*args, progress=False)
+        assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 5
+        with open(tmp_path / "records.jsonl", "a") as f:
+            f.write('{"suite": "humaneval", "prom')           # a torn line from the kill
+        calls.update(n=0, limit=100)
+        report = run_bench(*args, progress=False)
+        assert calls["n"] == 3                                  # only the 3 missing runs
+        lines = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
+        assert len(lines) == 8 and len({(x["prompt_id"], x["method"]) for x in lines}) == 8
+        assert report["lossless"] and report["summary"]["humaneval"]["ar"]["prompts"] == 4
+        with pytest.raises(ValueError, match="different configuration"):
+            run_bench(target, methods, ["humaneval"], 4, 7, SamplingConfig(), 0, tmp_path,
+                      {"target": "tiny"}, progress=False)
+        calls.update(n=0)
+        run_bench(*args, progress=False, fresh=True)
+        assert calls["n"] == 8
