@@ -580,3 +580,25 @@ def test_requests_waiting_together_are_decoded_together(tiny_dirs):
         if "stop" in body:
             ref = ref.split("\n")[0]
         assert results[i] == ref, i
+
+
+def test_loadtest_script_compares_policies_on_live_servers(tiny_dirs, tmp_path):
+    """benchmarks/loadtest.py starts a server per policy, runs concurrent clients, and finds
+    every greedy answer identical to the one-at-a-time answer, with no errors."""
+    import subprocess
+    import sys
+    target_dir, drafter_dir = tiny_dirs
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "loadtest.py"
+    proc = subprocess.run([sys.executable, str(script), "--serve", str(target_dir), "--drafter",
+                           str(drafter_dir), "--max-batch", "1,4", "--concurrency", "1,4",
+                           "--requests", "4", "--max-tokens", "8", "--serve-args", "--block-size 3",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "DFLASHKIT_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert set(runs) == {"max-batch 1", "max-batch 4"}
+    for rows in runs.values():
+        assert [r["concurrency"] for r in rows] == [1, 4]
+        assert all(r["errors"] == 0 and r["identical_to_alone"] == 4 and r["tokens_per_s"] > 0
+                   for r in rows)
+    assert "| max-batch 4 | 4 |" in (tmp_path / "results.md").read_text()
