@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements.lock
 
 demo: $(STAMP)
 	$(DFK) models prepare $(TARGET)
-	@block=2; if [ -f checkpoints/$(TARGET)/config.json ]; then \
+	@block=auto; if [ -f checkpoints/$(TARGET)/config.json ]; then \
 		drafter=checkpoints/$(TARGET); \
 	else \
 		echo "NOTE: no trained drafter ships yet: using a freshly initialised, UNTRAINED drafter."; \
