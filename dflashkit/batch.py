@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,11 +33,11 @@ class BatchRequest:
     stop_token_ids: list[int] | None = None        # default: the target's EOS ids
     # on_commit(new_ids, accepted_from_draft) -> False ends this row (client gone, stop string)
     on_commit: Callable[[list[int], int], bool | None] | None = None
+    on_finish: Callable[[GenerationResult], None] | None = None     # called once, when it ends
 
 
 @dataclass
 class _Row:
-    index: int
     request: BatchRequest
     committed: list[int]
     generated: list[int]
@@ -66,18 +66,7 @@ def _validate(target: Target, req: BatchRequest) -> list[int]:
     return ids
 
 
-@torch.inference_mode()
-def batch_generate(target: Target, drafter: DFlashDrafter | DFlashProposer | None,
-                   requests: list[BatchRequest], block_size: int | AdaptiveBlockSize | None = None,
-                   acceptance: str = "match") -> list[GenerationResult]:
-    """Decode ``requests`` together; result i is what request i gets from
-    ``speculative_generate`` alone (identical tokens at temperature 0)."""
-    if not requests:
-        return []
-    if acceptance not in ("match", "rejection"):
-        raise ValueError(f"acceptance must be 'match' or 'rejection', got {acceptance!r}")
-    if isinstance(drafter, DFlashDrafter):
-        drafter = DFlashProposer(drafter, target)
+def _resolve_block_size(drafter, block_size):
     policy = block_size if isinstance(block_size, AdaptiveBlockSize) else None
     if policy is not None:
         block_size = policy.max_drafts + 1
@@ -88,13 +77,38 @@ def batch_generate(target: Target, drafter: DFlashDrafter | DFlashProposer | Non
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     if block_size > 1 and drafter is None:
         raise ValueError("block_size > 1 needs a drafter; use block_size=1 for plain decoding")
-    if block_size == 1:
-        drafter, policy = None, None
-    prompts = [_validate(target, r) for r in requests]
-    capture = drafter.feature_layers if drafter is not None else None
-    device = target.device
-    rows: list[_Row] = []
-    for i, (req, ids) in enumerate(zip(requests, prompts)):
+    return block_size, policy
+
+
+class BatchDecoder:
+    """Rows decoded together; new requests join at any step boundary (continuous batching).
+
+    ``add`` prefills the new prompts (left-padded among themselves) and merges their cache
+    rows into the running batch, padding the shorter side with holes on the left; ``step``
+    runs one draft + verify step for every row; a finished row leaves at once and its
+    request's ``on_finish`` gets the result.
+    """
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | DFlashProposer | None,
+                 block_size: int | AdaptiveBlockSize | None = None, acceptance: str = "match"):
+        if acceptance not in ("match", "rejection"):
+            raise ValueError(f"acceptance must be 'match' or 'rejection', got {acceptance!r}")
+        if isinstance(drafter, DFlashDrafter):
+            drafter = DFlashProposer(drafter, target)
+        self.block_size, self.policy = _resolve_block_size(drafter, block_size)
+        if self.block_size == 1:
+            drafter, self.policy = None, None
+        self.target, self.drafter, self.acceptance = target, drafter, acceptance
+        self.capture = drafter.feature_layers if drafter is not None else None
+        self.rows: list[_Row] = []          # active rows, in cache-row order
+        self.cache = None
+        self.mask: torch.Tensor | None = None   # [rows, physical cache length]: 1 = valid entry
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    def _new_row(self, req: BatchRequest, ids: list[int]) -> _Row:
         generator = None
         if not req.sampling.greedy:
             generator = torch.Generator(device="cpu")
@@ -102,48 +116,62 @@ def batch_generate(target: Target, drafter: DFlashDrafter | DFlashProposer | Non
                 generator.manual_seed(req.sampling.seed)
             else:
                 generator.seed()
-        stops = set(target.stop_token_ids() if req.stop_token_ids is None else req.stop_token_ids)
-        rows.append(_Row(i, req, list(ids), [], stops,
-                         GenerationStats(prompt_tokens=len(ids), slot_accepted=[0] * (block_size - 1),
-                                         slot_drafted=[0] * (block_size - 1)),
-                         generator, ContextCache(len(drafter.drafter.layers))
-                         if isinstance(drafter, DFlashProposer) else None))
+        stops = set(self.target.stop_token_ids() if req.stop_token_ids is None else req.stop_token_ids)
+        b = self.block_size
+        return _Row(req, list(ids), [], stops,
+                    GenerationStats(prompt_tokens=len(ids), slot_accepted=[0] * (b - 1),
+                                    slot_drafted=[0] * (b - 1)),
+                    generator, ContextCache(len(self.drafter.drafter.layers))
+                    if isinstance(self.drafter, DFlashProposer) else None)
 
-    # --- prefill: left-padded prompts, each row at positions 0..len-1 ----------------------
-    t0 = time.perf_counter()
-    width = max(len(p) for p in prompts)
-    pad = target.pad_token_id() or 0
-    ids = torch.full((len(rows), width), pad, dtype=torch.long, device=device)
-    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-    for r, p in zip(rows, prompts):
-        ids[r.index, width - len(p):] = torch.tensor(p, device=device)
-        mask[r.index, width - len(p):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    cache = target.new_cache()
-    out = target.forward(ids, 0, cache, capture, last_only=True, attention_mask=mask,
-                         positions=positions)
-    prefill_s = time.perf_counter() - t0
-    for r, p in zip(rows, prompts):
-        first = _pick(out.logits[r.index, -1], r)
-        r.stats.prefill_s = prefill_s
-        r.started = time.perf_counter()
-        if out.features is not None:
-            r.pending = out.features[r.index:r.index + 1, width - len(p):]
-        _commit(r, [first], 0)
-    alive, mask = _drop_finished(rows, list(range(len(rows))), cache, mask)
+    @torch.inference_mode()
+    def add(self, requests: list[BatchRequest]) -> None:
+        """Prefill ``requests`` and let them join; invalid ones raise before anything runs."""
+        if not requests:
+            return
+        prompts = [_validate(self.target, r) for r in requests]
+        rows = [self._new_row(r, p) for r, p in zip(requests, prompts)]
+        target, device = self.target, self.target.device
+        t0 = time.perf_counter()
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(rows), width), target.pad_token_id() or 0, dtype=torch.long, device=device)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+        for k, p in enumerate(prompts):
+            ids[k, width - len(p):] = torch.tensor(p, device=device)
+            mask[k, width - len(p):] = 1
+        cache = target.new_cache()
+        out = target.forward(ids, 0, cache, self.capture, last_only=True, attention_mask=mask,
+                             positions=(mask.cumsum(-1) - 1).clamp_min(0))
+        prefill_s = time.perf_counter() - t0
+        for k, (r, p) in enumerate(zip(rows, prompts)):
+            r.stats.prefill_s = prefill_s
+            r.started = time.perf_counter()
+            if out.features is not None:
+                r.pending = out.features[k:k + 1, width - len(p):]
+            _commit(r, [_pick(out.logits[k, -1], r)], 0)
+        if self.cache is None:
+            self.cache, self.mask, self.rows = cache, mask, rows
+        else:
+            self.cache, self.mask = _merge(target, self.cache, self.mask, cache, mask)
+            self.rows = self.rows + rows
+        self._drop_finished()
 
-    # --- decode: draft per row, verify all rows in one target pass -------------------------
-    while alive:
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One step for every active row: draft per row, verify all rows in one target pass."""
+        if not self.rows:
+            return
+        target, drafter, policy, device = self.target, self.drafter, self.policy, self.target.device
         t = time.perf_counter()
         blocks: list[list[int]] = []
         probs: list[torch.Tensor | None] = []
-        n_batch = len(alive)
-        for r in (rows[i] for i in alive):
+        n_batch = len(self.rows)
+        for r in self.rows:
             remaining = r.request.max_new_tokens - len(r.generated)
-            n, drafting = plan_step(policy, block_size, drafter is not None, remaining, rows=n_batch)
+            n, drafting = plan_step(policy, self.block_size, drafter is not None, remaining, rows=n_batch)
             proposals, dprobs = [], None
             if drafting:
-                draft_sampling = r.request.sampling if acceptance == "rejection" else SamplingConfig()
+                draft_sampling = r.request.sampling if self.acceptance == "rejection" else SamplingConfig()
                 if isinstance(drafter, DFlashProposer):
                     drafter.cache = r.context    # each row has its own drafter context
                 width_n = policy.max_drafts if policy is not None else n
@@ -162,27 +190,25 @@ def batch_generate(target: Target, drafter: DFlashDrafter | DFlashProposer | Non
         t = time.perf_counter()
         q = max(len(b) for b in blocks)
         block = torch.tensor([b + [b[0]] * (q - len(b)) for b in blocks], device=device)
-        starts = torch.tensor([len(rows[i].committed) - 1 for i in alive], device=device)
+        starts = torch.tensor([len(r.committed) - 1 for r in self.rows], device=device)
         pos = starts[:, None] + torch.arange(q, device=device)[None]
-        mask = torch.cat([mask, torch.ones((n_batch, q), dtype=mask.dtype, device=device)], dim=1)
-        out = target.forward(block, 0, cache, capture, attention_mask=mask, positions=pos)
+        mask = torch.cat([self.mask, torch.ones((n_batch, q), dtype=self.mask.dtype, device=device)], 1)
+        out = target.forward(block, 0, self.cache, self.capture, attention_mask=mask, positions=pos)
         verify_s = time.perf_counter() - t
-        for k, i in enumerate(alive):
-            r = rows[i]
+        for k, r in enumerate(self.rows):
             proposals = blocks[k][1:]
             logits = out.logits[k, :len(blocks[k])]
             sampling = r.request.sampling
             if sampling.greedy:
                 a, nxt = _accept_greedy(proposals, logits)
-            elif acceptance == "rejection" and probs[k] is not None:
+            elif self.acceptance == "rejection" and probs[k] is not None:
                 a, nxt = _accept_rejection(proposals, probs[k], logits, sampling, r.generator)
             else:
                 a, nxt = _accept_match(proposals, logits, sampling, r.generator)
             for j in range(len(proposals)):
                 r.stats.slot_drafted[j] += 1
                 r.stats.slot_accepted[j] += j < a
-            new = proposals[:a] + [nxt]
-            kept = _commit(r, new, a)
+            kept = _commit(r, proposals[:a] + [nxt], a)
             # the cache keeps the fed tokens that are now committed; the rest become holes
             mask[k, mask.shape[1] - q + kept:] = 0
             if out.features is not None:
@@ -195,8 +221,64 @@ def batch_generate(target: Target, drafter: DFlashDrafter | DFlashProposer | Non
             r.stats.verify_sizes.append(len(blocks[k]))
             if policy is not None:
                 _settle(policy, r, final=r.done)
-        alive, mask = _drop_finished(rows, alive, cache, mask)
-    return [GenerationResult(tokens=r.generated, stop_reason=r.stop_reason, stats=r.stats) for r in rows]
+        self.mask = mask
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        """Finished rows leave: their cache and mask rows go, their requests are told."""
+        keep = [k for k, r in enumerate(self.rows) if not r.done]
+        finished = [r for r in self.rows if r.done]
+        if len(keep) < len(self.rows):
+            if keep:
+                index = torch.tensor(keep, device=self.mask.device)
+                self.cache.batch_select_indices(index)
+                self.mask = self.mask[index]
+                self.rows = [self.rows[k] for k in keep]
+            else:
+                self.rows, self.cache, self.mask = [], None, None
+        for r in finished:
+            if r.request.on_finish is not None:
+                r.request.on_finish(GenerationResult(tokens=r.generated, stop_reason=r.stop_reason,
+                                                     stats=r.stats))
+
+
+def _merge(target: Target, cache_a, mask_a: torch.Tensor, cache_b, mask_b: torch.Tensor):
+    """One cache holding the rows of both; the shorter side gets holes on the left (masked,
+    and causality only matters within a step's new tokens, which come after everything)."""
+    length = max(mask_a.shape[1], mask_b.shape[1])
+    merged = target.new_cache()
+    for i, (la, lb) in enumerate(zip(cache_a.layers, cache_b.layers)):
+        parts_k, parts_v = [], []
+        for layer, have in ((la, mask_a.shape[1]), (lb, mask_b.shape[1])):
+            k, v = layer.keys, layer.values
+            if have < length:
+                k = torch.cat([k.new_zeros(*k.shape[:2], length - have, k.shape[3]), k], dim=2)
+                v = torch.cat([v.new_zeros(*v.shape[:2], length - have, v.shape[3]), v], dim=2)
+            parts_k.append(k)
+            parts_v.append(v)
+        merged.update(torch.cat(parts_k), torch.cat(parts_v), i)
+    masks = [torch.cat([m.new_zeros(m.shape[0], length - m.shape[1]), m], dim=1) for m in (mask_a, mask_b)]
+    return merged, torch.cat(masks)
+
+
+def batch_generate(target: Target, drafter: DFlashDrafter | DFlashProposer | None,
+                   requests: list[BatchRequest], block_size: int | AdaptiveBlockSize | None = None,
+                   acceptance: str = "match") -> list[GenerationResult]:
+    """Decode ``requests`` together; result i is what request i gets from
+    ``speculative_generate`` alone (identical tokens at temperature 0)."""
+    decoder = BatchDecoder(target, drafter, block_size, acceptance)
+    results: list[GenerationResult | None] = [None] * len(requests)
+    wrapped = []
+    for i, req in enumerate(requests):
+        def finish(res, i=i, user=req.on_finish):
+            results[i] = res
+            if user is not None:
+                user(res)
+        wrapped.append(replace(req, on_finish=finish))
+    decoder.add(wrapped)
+    while decoder.active:
+        decoder.step()
+    return results
 
 
 def _pick(logits: torch.Tensor, r: _Row) -> int:
@@ -229,15 +311,3 @@ def _settle(policy: AdaptiveBlockSize, r: _Row, final: bool) -> None:
     while r.observations and (final or r.observations[0][0] + len(r.observations[0][1]) < len(r.committed)):
         pos, props = r.observations.pop(0)
         policy.observe(props, r.committed[pos + 1:pos + 1 + len(props)])
-
-
-def _drop_finished(rows: list[_Row], alive: list[int], cache, mask: torch.Tensor):
-    """Remove finished rows from the batch: their cache rows and mask rows go too."""
-    keep = [k for k, i in enumerate(alive) if not rows[i].done]
-    if len(keep) == len(alive):
-        return alive, mask
-    if keep:
-        index = torch.tensor(keep, device=mask.device)
-        cache.batch_select_indices(index)
-        mask = mask[index]
-    return [alive[k] for k in keep], mask

@@ -120,7 +120,7 @@ class Metrics:
         self.decode_tps = Histogram("dflashkit_decode_tokens_per_second",
                                     "Per request: tokens after the first per second of decoding.",
                                     [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000])
-        self.batch = Histogram("dflashkit_batch_size", "Requests decoded together, per batch.",
+        self.batch = Histogram("dflashkit_batch_size", "Requests decoded together, per decoding step.",
                                [1, 2, 4, 8, 16, 32])
         self.accept = Histogram("dflashkit_acceptance_length",
                                 "Tokens committed per verify step (bonus token included).",
@@ -436,28 +436,87 @@ class Engine:
 
     # --- the worker ---------------------------------------------------------------------------
     def _work(self) -> None:
+        if self.max_batch > 1:
+            return self._work_batched()
         while True:
             job = self.queue.get()
             if job is None:
                 return
-            jobs = [j for j in [job, *self.queue.take(self.max_batch - 1)] if not j.cancel.is_set()]
-            if not jobs:
+            if job.cancel.is_set():
                 continue
-            self.running = jobs
+            self.running = [job]
             with self.metrics.lock:
-                self.metrics.batch.observe(len(jobs))
+                self.metrics.batch.observe(1)
             try:
-                if len(jobs) == 1:
-                    self._run(jobs[0])
-                else:
-                    self._run_batch(jobs)
+                self._run(job)
             except Exception as e:   # never let one request kill the worker
                 log.exception("generation failed")
-                for j in jobs:
-                    j.emit(("error", APIError(500, f"generation failed: {e}", "server_error")))
-                    self.metrics.count_finished("error")
+                job.emit(("error", APIError(500, f"generation failed: {e}", "server_error")))
+                self.metrics.count_finished("error")
             finally:
                 self.running = []
+
+    def _work_batched(self) -> None:
+        """Continuous batching: waiting requests join the running batch at every step."""
+        from .batch import BatchDecoder
+        decoder = None
+        while True:
+            if decoder is None or not decoder.active:
+                self.running = []
+                job = self.queue.get()
+                if job is None:
+                    return
+                jobs = [job, *self.queue.take(self.max_batch - 1)]
+                decoder = BatchDecoder(self.target, self.drafter, self.policy or self.block_size)
+            else:
+                jobs = self.queue.take(self.max_batch - decoder.active)
+            jobs = [j for j in jobs if not j.cancel.is_set()]
+            try:
+                if jobs:
+                    self._admit(decoder, jobs)
+                with self.metrics.lock:
+                    self.metrics.batch.observe(decoder.active)
+                decoder.step()
+            except Exception as e:   # never let one request kill the worker
+                log.exception("generation failed")
+                for j in self.running:
+                    j.emit(("error", APIError(500, f"generation failed: {e}", "server_error")))
+                    self.metrics.count_finished("error")
+                decoder = None
+
+    def _admit(self, decoder, jobs: list[Job]) -> None:
+        """Add requests to the running batch; a request the target cannot take gets its 400."""
+        from .batch import BatchRequest, _validate
+        from .target import TargetError
+        requests = []
+        for job in jobs:
+            self.running = self.running + [job]
+            sampling, text, on_commit, stops = self._start(job)
+            request = BatchRequest(job.request.prompt_ids, job.request.max_tokens, sampling, stops)
+            try:
+                _validate(self.target, request)
+            except (TargetError, ValueError) as e:
+                self.running = [j for j in self.running if j is not job]
+                job.emit(("error", APIError(400, str(e))))
+                self.metrics.count_finished("error")
+                continue
+            reason: dict[str, str] = {}
+
+            def commit(new_ids, from_draft, on_commit=on_commit, reason=reason):
+                try:
+                    on_commit(new_ids, from_draft)
+                except GenerationAborted as e:
+                    reason["why"] = e.reason
+                    return False
+                return True
+
+            def finish(result, job=job, text=text, reason=reason):
+                self.running = [j for j in self.running if j is not job]
+                why = reason.get("why") or ("stop" if result.stop_reason == "stop_token" else "length")
+                self._finish(job, text, why)
+            request.on_commit, request.on_finish = commit, finish
+            requests.append(request)
+        decoder.add(requests)
 
     def _start(self, job: Job):
         """Per-request state: sampling, text assembly, and the commit callback, which raises
@@ -509,30 +568,6 @@ class Engine:
             self.metrics.count_finished("error")
             return
         self._finish(job, text, reason)
-
-    def _run_batch(self, jobs: list[Job]) -> None:
-        """Requests that arrived together, decoded together (batch.py); each one streams and
-        ends on its own, exactly as it would alone."""
-        from .batch import BatchRequest, batch_generate
-        requests, texts, reasons = [], [], {}
-        for k, job in enumerate(jobs):
-            sampling, text, on_commit, stops = self._start(job)
-
-            def commit(new_ids, from_draft, k=k, on_commit=on_commit):
-                try:
-                    on_commit(new_ids, from_draft)
-                except GenerationAborted as e:
-                    reasons[k] = e.reason
-                    return False
-                return True
-            requests.append(BatchRequest(job.request.prompt_ids, job.request.max_tokens, sampling,
-                                         stops, commit))
-            texts.append(text)
-        results = batch_generate(self.target, self.drafter, requests,
-                                 block_size=self.policy or self.block_size)
-        for k, (job, text, result) in enumerate(zip(jobs, texts, results)):
-            reason = reasons.get(k) or ("stop" if result.stop_reason == "stop_token" else "length")
-            self._finish(job, text, reason)
 
     def _finish(self, job: Job, text: "TextAssembler", reason: str) -> None:
         stats = job.stats

@@ -126,3 +126,35 @@ def test_batched_sampling_matches_target_distribution(acceptance, kind):
         samples += [tuple(r.tokens) for r in res[:4]]
     p = chi_square_pvalue(samples, dist)
     assert p > ALPHA, f"batched samples deviate from the target's distribution (p={p:.2e})"
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_requests_joining_a_running_batch_get_their_own_output(fast):
+    """Continuous batching: rows admitted at later steps (prompts longer and shorter than the
+    running cache) still equal generation alone, and so do the rows already running."""
+    from dflashkit.batch import BatchDecoder
+    target, drafter = cached_target("qwen2")
+    target.set_fast_path(fast)
+    try:
+        finished = {}
+        decoder = BatchDecoder(target, drafter, block_size=4)
+
+        def req(i, p, n):
+            return BatchRequest(p, n, stop_token_ids=[EOS],
+                                on_finish=lambda res, i=i: finished.setdefault(i, res))
+        jobs = {0: ([3, 4, 5], 30), 1: ([9] * 12, 25), 2: (list(range(20, 60)), 20),
+                3: ([77, 5], 18), 4: (list(range(50, 57)), 12)}
+        decoder.add([req(0, *jobs[0]), req(1, *jobs[1])])
+        for step in range(12):
+            if step == 2:
+                decoder.add([req(2, *jobs[2])])          # longer than the running cache
+            if step == 6:
+                decoder.add([req(3, *jobs[3]), req(4, *jobs[4])])   # shorter ones
+            decoder.step()
+        while decoder.active:
+            decoder.step()
+        assert sorted(finished) == [0, 1, 2, 3, 4]
+        for i, (p, n) in jobs.items():
+            assert finished[i].tokens == hf_greedy(target, p, n), i
+    finally:
+        target.set_fast_path(True)
