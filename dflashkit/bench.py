@@ -71,7 +71,8 @@ Method = Callable[[list[int], int, SamplingConfig, list[int]], RunResult]
 
 def make_methods(names: list[str], target: Target, drafter=None, block_size: int | str | None = None,
                  load_assistant: Callable[[str], object] | None = None) -> dict[str, Method]:
-    """Resolve method names: ar, ar-loop, dflash, prompt-lookup, assisted:MODEL."""
+    """Resolve method names: ar, ar-loop, dflash, dflash:B, dflash:auto, prompt-lookup,
+    assisted:MODEL (``load_assistant(name)`` returns a Target, or a bare model)."""
     methods: dict[str, Method] = {}
     if drafter is not None and not isinstance(drafter, DFlashProposer):
         drafter = DFlashProposer(drafter, target)   # validate and prepare its LM head once
@@ -94,14 +95,28 @@ def make_methods(names: list[str], target: Target, drafter=None, block_size: int
             if load_assistant is None:
                 raise ValueError("assisted generation needs a way to load the assistant model")
             assistant = load_assistant(name.split(":", 1)[1])
-            methods[name] = lambda ids, n, s, stops, a=assistant: _from_hf(
-                hf_generate(target, ids, n, s, stops, assistant_model=a))
+            kwargs = {"assistant_model": assistant.model if isinstance(assistant, Target) else assistant}
+            if _needs_universal_assisted(target, assistant):
+                # a draft model with another tokenizer: transformers' universal assisted
+                # generation re-tokenises between the two (SmolLM2 drafting for Qwen, say)
+                kwargs.update(tokenizer=target.tokenizer, assistant_tokenizer=assistant.tokenizer)
+            methods[name] = lambda ids, n, s, stops, kw=kwargs: _from_hf(
+                hf_generate(target, ids, n, s, stops, **kw))
         else:
             raise ValueError(f"unknown method {name!r}; choose from ar, ar-loop, dflash, "
                              f"dflash:B, dflash:auto, prompt-lookup, assisted:MODEL")
     if "ar" not in methods:
         raise ValueError("the methods must include 'ar' (the baseline of every ratio)")
     return methods
+
+
+def _needs_universal_assisted(target: Target, assistant) -> bool:
+    """True when the assistant (a Target or a bare model) does not share the target's vocabulary."""
+    a_tok = assistant.tokenizer if isinstance(assistant, Target) else None
+    t_tok = target.tokenizer
+    if a_tok is None or t_tok is None or not hasattr(a_tok, "get_vocab") or not hasattr(t_tok, "get_vocab"):
+        return False
+    return a_tok.get_vocab() != t_tok.get_vocab()
 
 
 def _dflash_block_size(name: str, default, proposer: DFlashProposer, target: Target):

@@ -188,7 +188,7 @@ def cmd_bench(args) -> int:
     target = load_target(args.target, fast_path=False if args.no_fast_path else None)
     drafter = load_drafter(drafter_path) if "dflash" in names else None
     methods = make_methods(names, target, drafter, args.block_size,
-                           load_assistant=lambda name: load_target(name).model)
+                           load_assistant=lambda name: load_target(name, fast_path=False))
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     config["drafter"] = str(drafter_path) if drafter is not None else None
     report = run_bench(target, methods, suites, args.num_prompts, args.max_new_tokens, sampling,

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from dflashkit.bench import Record, first_difference, make_methods, markdown_table, run_bench, summarize
 from dflashkit.drafter import config_for_target, init_drafter
@@ -122,3 +123,26 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
         calls.update(n=0)
         run_bench(*args, progress=False, fresh=True)
         assert calls["n"] == 8
+
+
+@pytest.mark.real_model
+def test_assisted_with_a_draft_model_of_another_tokenizer_is_lossless():
+    """assisted:MODEL with a different vocabulary (SmolLM2's drafting for Qwen's) goes through
+    transformers' universal assisted generation and still gives the target's greedy output."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from dflashkit.models import prepare_model
+    from dflashkit.target import Target
+    tokenizers = {n: AutoTokenizer.from_pretrained(prepare_model(n, progress=False))
+                  for n in ("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")}
+    torch.manual_seed(0)
+    qwen_tok, smol_tok = tokenizers["qwen2.5-coder-0.5b-instruct"], tokenizers["smollm2-135m-instruct"]
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512)
+    target = Target(Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, **small)), qwen_tok, "tiny-qwen")
+    assistant = Target(LlamaForCausalLM(LlamaConfig(vocab_size=49152, **small)), smol_tok, "tiny-smol")
+    methods = make_methods(["ar", "assisted:smol"], target, load_assistant=lambda name: assistant)
+    ids = qwen_tok("def add(a, b):\n    return a + b\n\nprint(add(2, 3))", add_special_tokens=False)["input_ids"]
+    ar = methods["ar"](ids, 16, SamplingConfig(), [])
+    assisted = methods["assisted:smol"](ids, 16, SamplingConfig(), [])
+    assert len(ar.tokens) == 16 and assisted.tokens == ar.tokens
