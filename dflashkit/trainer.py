@@ -224,8 +224,8 @@ class Trainer:
     def _features(self, record: dict, ids: torch.Tensor) -> torch.Tensor:
         L = ids.numel()
         if self.cfg.features == "online":
-            with torch.no_grad():
-                return self.target.forward(ids[None], 0, None, capture=self.drafter.target_layer_ids).features
+            feats = self.target.forward(ids[None], 0, None, capture=self.drafter.target_layer_ids).features
+            return feats.clone()   # out of inference mode: autograd may save it (fc's input)
         f = self.store.get(record).float()
         H = self.head.hidden_size
         f = torch.cat([f[:, c * H:(c + 1) * H] for c in self.columns], dim=-1)

@@ -177,3 +177,19 @@ def test_two_processes_match_one(tiny_run):
     loss_a = [float(r.split(",")[3]) for r in la[1:]]
     loss_b = [float(r.split(",")[3]) for r in lb[1:]]
     assert loss_a == pytest.approx(loss_b, rel=1e-4)
+
+
+def test_online_features_train_like_stored_ones(tiny_run):
+    """features: online runs the target per step; its first-step loss equals the stored path's
+    to bf16 precision (stored features are bf16 copies of the same activations)."""
+    from dflashkit.pipeline import load_config
+    from dflashkit.trainer import Trainer
+    root, _ = tiny_run
+    losses = {}
+    for mode in ("stored", "online"):
+        cfg = load_config(_config(root, f"features-{mode}", features=mode, max_steps=2))
+        trainer = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
+        trainer.fit()
+        rows = (cfg.train_dir / "log.csv").read_text().splitlines()
+        losses[mode] = float(rows[1].split(",")[3])
+    assert losses["online"] == pytest.approx(losses["stored"], rel=0.02)
