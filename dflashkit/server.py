@@ -6,9 +6,9 @@ and adds one extension field, ``dflash``, with the request's acceptance lengths 
 (SGLang reports the same as ``spec_accept_length``) and, per streamed chunk, which tokens
 came from the drafter. A worker thread takes requests from a bounded FIFO queue: a full
 queue answers 429 at once, a request past its deadline or whose client went away is
-dropped at its next commit. With ``--max-batch N`` the requests waiting when the worker
-becomes free (up to N) are decoded together (batch.py), each streaming and ending on its
-own; with 1 they run one at a time.
+dropped at its next commit. With ``--max-batch N`` up to N requests are decoded together
+and a new one joins the running batch at the next step (continuous batching, batch.py),
+each streaming and ending on its own; with 1 they run one at a time.
 """
 
 
@@ -49,7 +49,7 @@ class ServerConfig:
     fast_path: bool = True                 # prepacked CPU kernels where available (fastpath.py)
     max_queue: int = 16                    # waiting requests; one more gets 429
     max_batch: int = 8                     # requests decoded together (1 = one at a time); 8 won
-                                           # the load test (benchmarks/loadtest/)
+                                           # the load test (benchmarks/loadtest/, README)
     timeout_s: float = 300.0               # per request, queue wait included
     default_max_tokens: int = 512          # when a request gives none (capped by the context)
     model_name: str | None = None          # id served by /v1/models (default: the target name)
