@@ -182,11 +182,12 @@ def cmd_bench(args) -> int:
     names = [x.strip() for x in args.methods.split(",") if x.strip()]
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     drafter_path = args.drafter or shipped_drafter(args.target)
-    if "dflash" in names and drafter_path is None:
+    wants_drafter = any(n == "dflash" or n.startswith("dflash:") for n in names)
+    if wants_drafter and drafter_path is None:
         raise ValueError(f"method dflash needs a drafter: pass --drafter DIR (no shipped drafter "
                          f"for {args.target})")
     target = load_target(args.target, fast_path=False if args.no_fast_path else None)
-    drafter = load_drafter(drafter_path) if "dflash" in names else None
+    drafter = load_drafter(drafter_path) if wants_drafter else None
     methods = make_methods(names, target, drafter, args.block_size,
                            load_assistant=lambda name: load_target(name, fast_path=False))
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
