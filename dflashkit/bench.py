@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from .baselines import hf_generate
 from .checkpoint import atomic_write
+from .costs import cpu_model
 from .decoding import DFlashProposer, speculative_generate
 from .sampling import SamplingConfig
 from .suites import STAND_INS, BenchPrompt, load_suite
@@ -276,16 +277,8 @@ def plot(summary: dict, methods: list[str], out: Path) -> list[Path]:
 
 
 def environment() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import transformers
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 

@@ -146,7 +146,9 @@ class CostCurve:
     cpu: str = field(default_factory=cpu_model)
 
     def verify(self, q: int) -> float:
-        """Cost of verifying q tokens; linear between measured points, flat past the last."""
+        """Cost of verifying q tokens; linear between measured points, extrapolated past the last."""
+        if q in self.verify_ms:      # the common case on the decoding path: a measured point
+            return self.verify_ms[q]
         pts = sorted(self.verify_ms.items())
         if q <= pts[0][0]:
             return pts[0][1]
