@@ -56,6 +56,9 @@ class Record:
     slot_drafted: list[int] | None = None
     identical_to_ar: bool | None = None
     first_diff: int | None = None
+    # Our own plain loop on the same execution path: the exact reference of the bf16 path,
+    # where HF generate's one-token kernel rounds differently (fastpath.py).
+    identical_to_ar_loop: bool | None = None
 
     @property
     def decode_tokens(self) -> int:
@@ -202,6 +205,7 @@ def summarize(records: list[Record]) -> dict:
             "speedup_per_prompt": {"median": _percentile(per_prompt, 0.5), "p10": _percentile(per_prompt, 0.1),
                                    "p90": _percentile(per_prompt, 0.9)} if per_prompt else None,
             "mismatches": sum(1 for r in rs if r.identical_to_ar is False),
+            "mismatches_vs_ar_loop": sum(1 for r in rs if r.identical_to_ar_loop is False),
         }
         taus = [r.tau for r in rs if r.tau is not None]
         if taus:
@@ -213,6 +217,16 @@ def summarize(records: list[Record]) -> dict:
             entry["acceptance_histogram"] = {str(k): lengths.count(k) for k in range(1, max(lengths) + 1)}
         out.setdefault(suite, {})[method] = entry
     return out
+
+
+def _ar_loop_note(records: list[Record], sampling) -> str:
+    """Say whether the outputs that differ from ``ar`` equal our own plain loop's."""
+    checked = [r for r in records if r.identical_to_ar_loop is not None]
+    if not sampling.greedy or not checked:
+        return ""
+    bad = sum(1 for r in checked if not r.identical_to_ar_loop)
+    return (f"Against `ar-loop` (our plain loop, same kernels): {len(checked) - bad} of "
+            f"{len(checked)} outputs identical{'' if not bad else ' -- **' + str(bad) + ' differ**'}.\n")
 
 
 def markdown_table(summary: dict, methods: list[str]) -> str:
@@ -333,13 +347,14 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
     for p in prompts:
         history: dict[str, list[dict]] = {m: [] for m in methods}
         for turn, text in enumerate(p.turns):
-            ar_tokens = None
+            ar_tokens = loop_tokens = None
             for name, method in methods.items():   # interleaved: every method on this turn
                 messages = history[name] + [{"role": "user", "content": text}]
                 previous = done.get((p.suite, p.id, turn, name))
                 if previous is not None:            # finished before an interruption
                     records.append(previous)
                     ar_tokens = previous.tokens if name == "ar" else ar_tokens
+                    loop_tokens = previous.tokens if name == "ar-loop" else loop_tokens
                     history[name] = messages + [{"role": "assistant",
                                                  "content": target.decode(previous.tokens)}]
                     bar.update(1)
@@ -348,6 +363,10 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
                 r = method(ids, max_new_tokens, sampling, stops)
                 rec = Record(p.suite, p.id, turn, name, len(r.tokens), r.prefill_s, r.decode_s, r.tokens,
                              r.acceptance_lengths, r.slot_accepted, r.slot_drafted)
+                if name == "ar-loop":
+                    loop_tokens = r.tokens
+                elif sampling.greedy and loop_tokens is not None and name != "ar":
+                    rec.identical_to_ar_loop = r.tokens == loop_tokens
                 if name == "ar":
                     ar_tokens = r.tokens
                 elif sampling.greedy and ar_tokens is not None:
@@ -383,13 +402,14 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
           f"{num_prompts} prompts per suite, max {max_new_tokens} new tokens, temperature "
           f"{sampling.temperature}, seed {seed}"
           f"{f', first {max_turns} turn(s) of each prompt only' if max_turns else ''}. "
-          f"{env['cpu']}, {env['torch_threads']} threads, "
+          f"{config.get('dtype', 'float32')} weights. {env['cpu']}, {env['torch_threads']} threads, "
           f"torch {env['torch']}, transformers {env['transformers']}.\n\n"
           f"Cells: tau (mean acceptance length, dflash only), decode tokens/s, pooled decode "
           f"speedup over `ar` (Hugging Face generate) and, in brackets, over `ar-loop` (our own "
           f"plain loop on the same execution path: what speculation itself buys).\n\n{table}\n"
           + ("Lossless: every greedy output identical to `ar`.\n" if report["lossless"] and sampling.greedy
              else "" if not sampling.greedy else "**LOSSLESS CHECK FAILED** (see records.jsonl)\n")
+          + _ar_loop_note(records, sampling)
           + "\nStand-ins:\n" + "".join(f"- `{s}`: {STAND_INS[s]}\n" for s in suites))
     (out_dir / "report.md").write_text(md)
     plot(summary, names, out_dir)

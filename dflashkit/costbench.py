@@ -2,8 +2,8 @@
 
 For each execution backend (the fast path and PyTorch's defaults) and KV length: a target
 forward over q = 1..max_q new tokens, and one drafter pass; beside them the bandwidth floor
-(weight bytes / measured read bandwidth) and the compute floor (FLOPs / measured fp32 matmul
-peak), both measured in the same run. Writes ``costs.json``, ``costs.md`` and ``costs.png``.
+(weight bytes / measured read bandwidth) and the compute floor (FLOPs / measured matmul peak
+in the target's dtype), both measured in the same run. Writes ``costs.json``, ``costs.md`` and ``costs.png``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ def run_cost_bench(target, drafter=None, kv_lengths=(256, 2048), max_q: int = 16
     say = print if progress else (lambda *a, **k: None)
     say("measuring memory bandwidth and matmul peak...", flush=True)
     bandwidth = measure_bandwidth_gbs()
-    peak = measure_matmul_gflops()
+    peak = measure_matmul_gflops(dtype=target.dtype)
     weight_bytes = pass_weight_bytes(target.model)
     qs = list(range(1, max_q + 1))
     capture = drafter.target_layer_ids if drafter is not None else None
-    results: dict = {"target": target.name, "cpu": cpu_model(), "threads": torch.get_num_threads(),
+    results: dict = {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."),
+                     "cpu": cpu_model(), "threads": torch.get_num_threads(),
                      "torch": torch.__version__, "python": platform.python_version(),
                      "bandwidth_gbs": bandwidth, "matmul_gflops": peak,
                      "weight_bytes": weight_bytes, "qs": qs, "kv_lengths": list(kv_lengths),
@@ -60,8 +61,10 @@ def run_cost_bench(target, drafter=None, kv_lengths=(256, 2048), max_q: int = 16
 
 def cost_table(r: dict) -> str:
     backends = list(r["verify_ms"])
-    lines = [f"Target `{r['target']}` on {r['cpu']}, {r['threads']} threads, torch {r['torch']}. "
-             f"Measured in this run: read bandwidth {r['bandwidth_gbs']:.1f} GB/s, fp32 matmul peak "
+    dtype = r.get("dtype", "float32")
+    lines = [f"Target `{r['target']}` in {dtype} on {r['cpu']}, {r['threads']} threads, torch "
+             f"{r['torch']}. Measured in this run: read bandwidth {r['bandwidth_gbs']:.1f} GB/s, "
+             f"{dtype} matmul peak "
              f"{r['matmul_gflops']:.0f} GFLOP/s; a pass reads {r['weight_bytes'] / 1e9:.2f} GB of weights.",
              ""]
     for kv in map(str, r["kv_lengths"]):
@@ -102,7 +105,8 @@ def write_cost_report(r: dict, out: Path) -> None:
     for ax, kv in zip(axes[0], kvs):
         for b, per_kv in r["verify_ms"].items():
             d = per_kv[kv]
-            ax.plot(r["qs"], [d[_k(d, q)] for q in r["qs"]], marker="o", label=f"{b} backend")
+            ax.plot(r["qs"], [d[_k(d, q)] for q in r["qs"]], marker="o",
+                    label=f"{b} backend ({r.get('dtype', 'float32')})")
         fl = r["floors_ms"][kv]
         ax.plot(r["qs"], [max(fl["bandwidth"], fl["compute"][_k(fl["compute"], q)]) for q in r["qs"]],
                 "k--", label="floor: max(bandwidth, compute)")

@@ -55,9 +55,9 @@ def measure_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / (ms / 1000) / 1e9
 
 
-def measure_matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """fp32 matrix-multiply peak: a square product big enough to be compute-bound."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def measure_matmul_gflops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Matrix-multiply peak in ``dtype``: a square product big enough to be compute-bound."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     ms = median_ms(lambda: a @ b, repeats=repeats)
     return 2 * n ** 3 / (ms / 1000) / 1e9
 
@@ -178,7 +178,7 @@ def cache_dir() -> Path:
 def _cache_key(target, drafter_id: str, max_q: int, kv_length: int) -> str:
     ident = json.dumps([target.name, target.config.to_dict().get("num_hidden_layers"),
                         target.hidden_size, "fast" if target.fast_path else "default",
-                        drafter_id, max_q, kv_length, torch.get_num_threads(), cpu_model(),
+                        str(target.dtype), drafter_id, max_q, kv_length, torch.get_num_threads(), cpu_model(),
                         torch.__version__])
     return hashlib.sha1(ident.encode()).hexdigest()[:16]
 

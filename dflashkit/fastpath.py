@@ -12,8 +12,17 @@ Two things make verify passes cheap on a CPU:
   preallocated buffers that grow by doubling, so a step does not re-concatenate the whole
   cache, and a rollback only moves a length.
 
-Quantisation is not part of this path: numbers stay fp32 (results equal the default path's
-to float rounding; greedy tokens are tested equal on a real model).
+* **bf16, opt-in, where the CPU multiplies bf16 in hardware** (AMX): half the weight bytes
+  of fp32, and a pass over 16 rows costs about what a pass over one does. bf16 rounds
+  coarsely, so greedy output equal to plain decoding needs every row of a verify pass to be
+  computed bit for bit as a one-token step: oneDNN's packed bf16 matmul is row-invariant
+  (tested), and attention runs row by row over exactly the keys each row would see alone
+  (:func:`rowwise_sdpa`), because the CPU attention kernel's rounding depends on the key
+  length it is handed. The reference is our own one-token loop on this path: PyTorch's
+  default one-row bf16 kernel for the MLP down-projection rounds differently from oneDNN, so
+  HF ``generate`` in bf16 can choose another token where two logits tie (README, "bf16").
+
+Quantisation is not part of this path: numbers stay those of the chosen float dtype.
 """
 
 from __future__ import annotations
@@ -21,15 +30,43 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
+from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+
+def bf16_fast() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles, as on Sapphire
+    Rapids and later). Without them PyTorch emulates bf16 and it is slower than fp32."""
+    return (torch.backends.mkldnn.is_available()
+            and bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 def fast_path_available(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> bool:
-    """Packing applies to fp32 weights on a CPU whose PyTorch build has oneDNN."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32
+    """Packing applies to fp32 weights, or bf16 weights where the CPU has bf16 arithmetic,
+    on a CPU whose PyTorch build has oneDNN."""
+    return (torch.device(device).type == "cpu"
+            and (dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_fast()))
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """``None`` -> float32 (the default: greedy output identical to HF ``generate``); a name
+    or a torch dtype -> that dtype."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: choose float32 or bfloat16")
+    return DTYPES[dtype]
 
 
 # Below this many rows PyTorch's default kernel is as fast or faster: measured on the 0.5B
@@ -55,8 +92,8 @@ class PackedLinear(nn.Module):
         object.__setattr__(self, "original", linear)   # restored by unpack_linears; not a child
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < PACKED_MIN_ROWS * x.shape[-1] or torch.is_grad_enabled() \
-                or x.dtype != torch.float32:
+        if torch.is_grad_enabled() or x.dtype != self.weight.dtype or (
+                x.dtype == torch.float32 and x.numel() < PACKED_MIN_ROWS * x.shape[-1]):
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
@@ -71,8 +108,8 @@ def pack_linears(module: nn.Module) -> int:
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 \
-                    and child.weight.device.type == "cpu":
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" \
+                    and fast_path_available(child.weight.dtype):
                 setattr(parent, name, PackedLinear(child))
                 count += 1
     return count
@@ -91,6 +128,51 @@ def unpack_linears(module: nn.Module) -> int:
 
 def is_packed(module: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in module.modules())
+
+
+# Verify passes longer than this run attention in one call (a long prefill on top of a cache
+# is not a verify pass; row by row would cost more than it is worth there).
+ROWWISE_MAX_ROWS = 64
+ROWWISE_ATTENTION = "dflashkit_rowwise_sdpa"
+
+
+def rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """SDPA in which every new row sees exactly the keys a one-token step of that sequence
+    alone would see, so its output is bitwise the one plain decoding computes.
+
+    Called by transformers' attention modules after the cache update: the q new rows are the
+    last q keys. Row r of batch row i attends to its own visible keys ``[:kv - q + r + 1]``
+    with the holes of batched decoding (masked-out entries) removed, through the very call HF
+    makes when it decodes one token alone. Needed because the CPU attention kernel's rounding
+    depends on the key length it is handed, not only on the keys that count. A pass with no
+    cache before it (a prefill) and a plain one-token step run as one call.
+    """
+    b, _, q, _ = query.shape
+    kv = key.shape[2]
+    if q == kv or q > ROWWISE_MAX_ROWS or (q == 1 and b == 1):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    bool_mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool \
+        else attention_mask == 0
+    outputs = []
+    for i in range(b):
+        rows = []
+        for r in range(q):
+            end = kv - q + r + 1
+            k, v = key[i:i + 1, :, :end], value[i:i + 1, :, :end]
+            if bool_mask is not None:
+                keep = bool_mask[i if bool_mask.shape[0] > 1 else 0, 0, r, :end]
+                if not bool(keep.all()):
+                    k, v = k[:, :, keep], v[:, :, keep]
+            out, _ = sdpa_attention_forward(module, query[i:i + 1, :, r:r + 1], k, v, None,
+                                            is_causal=False, **kwargs)
+            rows.append(out)
+        outputs.append(torch.cat(rows, dim=1))
+    return torch.cat(outputs, dim=0), None
+
+
+AttentionInterface.register(ROWWISE_ATTENTION, rowwise_sdpa)
+AttentionMaskInterface.register(ROWWISE_ATTENTION, sdpa_mask)
 
 
 class InPlaceLayer(DynamicLayer):

@@ -47,6 +47,7 @@ class ServerConfig:
     api_key: str | None = None
     block_size: int | str | None = None    # "auto", or default: the drafter's (1 without one)
     fast_path: bool = True                 # prepacked CPU kernels where available (fastpath.py)
+    dtype: str = "float32"                 # or bfloat16 (AMX CPUs; README "bf16")
     max_queue: int = 16                    # waiting requests; one more gets 429
     max_batch: int = 8                     # requests decoded together (1 = one at a time); 8 won
                                            # the load test (benchmarks/loadtest/, README)
@@ -405,7 +406,7 @@ class Engine:
         from .checkpoint import load_drafter
         from .target import load_target
         drafter = load_drafter(cfg.drafter) if cfg.drafter else None
-        target = load_target(cfg.target, fast_path=None if cfg.fast_path else False)
+        target = load_target(cfg.target, dtype=cfg.dtype, fast_path=None if cfg.fast_path else False)
         if drafter is not None and drafter.is_untrained:
             log.warning("%s is an UNTRAINED drafter: expect almost no accepted tokens", cfg.drafter)
         return cls(target, drafter, cfg.block_size, cfg.model_name or cfg.target, cfg.max_queue,
@@ -947,6 +948,7 @@ def serve(cfg: ServerConfig) -> None:
 def cmd_serve(args) -> int:
     serve(ServerConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
                        api_key=args.api_key, max_queue=args.max_queue, fast_path=not args.no_fast_path,
+                       dtype=args.dtype,
                        max_batch=args.max_batch,
                        block_size=args.block_size if args.block_size is not None else (
                            "auto" if args.drafter else None),
@@ -964,7 +966,7 @@ def _positive_float(text: str) -> float:
 
 def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` on a subparsers object (``set_defaults(func=cmd_serve)``)."""
-    from .cli import _block_size, _positive_int
+    from .cli import DTYPE_HELP, _block_size, _positive_int
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with speculative decoding",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="registry name or local Hugging Face folder")
@@ -976,6 +978,8 @@ def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
                    help="tokens per verify pass (1 = plain decoding), or auto (the default with a "
                         "drafter): chosen per step from this machine's measured costs")
     p.add_argument("--no-fast-path", action="store_true", help="PyTorch's default CPU kernels")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help=DTYPE_HELP)
     p.add_argument("--max-batch", type=_positive_int, default=ServerConfig.max_batch,
                    help="requests waiting together are decoded together, up to this many "
                         "(1 = one at a time)")

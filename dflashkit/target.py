@@ -22,8 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
-from .fastpath import (InPlaceCache, PackedLinear, fast_path_available,  # noqa: E402
-                       pack_linears, unpack_linears)
+from .fastpath import (ROWWISE_ATTENTION, InPlaceCache, PackedLinear, fast_path_available,  # noqa: E402
+                       pack_linears, resolve_dtype, unpack_linears)
 
 
 class TargetError(ValueError):
@@ -134,8 +134,9 @@ class Target(TargetInfo):
     def set_fast_path(self, on: bool) -> None:
         """Switch the prepacked-weight CPU path (fastpath.py) on or off; cheap both ways."""
         if on and not fast_path_available(self.dtype, self.device):
-            raise TargetError(f"the fast CPU path needs fp32 weights on a CPU with oneDNN; this "
-                              f"target is {self.dtype} on {self.device}. Use --no-fast-path")
+            raise TargetError(f"the fast CPU path needs fp32 weights (or bf16 on a CPU with AMX) "
+                              f"and oneDNN; this target is {self.dtype} on {self.device}. Use "
+                              f"--no-fast-path or --dtype float32")
         if on and not self.fast_path:
             if self._packed is None:
                 pack_linears(self.model)
@@ -146,7 +147,17 @@ class Target(TargetInfo):
                     setattr(self.model.get_submodule(parent) if parent else self.model, child, packed)
         elif not on and self.fast_path:
             unpack_linears(self.model)
+        self._set_rowwise_attention(on and self.dtype != torch.float32)
         self.fast_path = bool(on)
+
+    def _set_rowwise_attention(self, on: bool) -> None:
+        """bf16 verify passes attend row by row (fastpath.rowwise_sdpa) so they compute the
+        very numbers of one-token steps; fp32 keeps one attention call per pass."""
+        cfg = self.model.config
+        if on and cfg._attn_implementation == "sdpa":
+            cfg._attn_implementation = ROWWISE_ATTENTION
+        elif not on and cfg._attn_implementation == ROWWISE_ATTENTION:
+            cfg._attn_implementation = "sdpa"
 
     _packed: dict[str, PackedLinear] | None = None
 
@@ -276,12 +287,14 @@ def resolve_mask_token_id(tokenizer, num_embeddings: int, forbidden: list[int] =
     return max(candidates)
 
 
-def load_target(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
+def load_target(name_or_path: str | Path, dtype: torch.dtype | str | None = None,
                 progress: bool = True, fast_path: bool | None = None) -> Target:
     """Load a target by registry name (prepared offline from PyPI) or local HF folder.
 
-    ``fast_path``: prepacked CPU kernels (fastpath.py); None = on where available.
+    ``dtype``: None = float32; "bfloat16" for the bf16 fast path on CPUs with AMX (fastpath.py).
+    ``fast_path``: prepacked CPU kernels; None = on where available.
     """
+    dtype = resolve_dtype(dtype)
     from .models import resolve_model
     path = resolve_model(str(name_or_path), progress=progress)
     tokenizer = None

@@ -45,6 +45,8 @@ def test_lossless_check_flags_an_injected_mismatch():
     s = summarize(records)
     assert s["s"]["dflash"]["mismatches"] == 1
     assert "1 MISMATCH" in markdown_table(s, ["ar", "dflash"])
+    records[1].identical_to_ar_loop = False
+    assert summarize(records)["s"]["dflash"]["mismatches_vs_ar_loop"] == 1
 
 
 def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
@@ -76,6 +78,9 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
         assert (tmp_path / name).exists(), name
     assert "tau" in report["summary"]["mtbench"]["dflash"]
     assert "tau" in report["summary"]["mtbench"]["dflash:auto"]
+    checked = [json.loads(x) for x in lines if json.loads(x)["method"] not in ("ar", "ar-loop")]
+    assert all(r["identical_to_ar_loop"] is True for r in checked)
+    assert "15 of 15 outputs identical" in (tmp_path / "report.md").read_text()
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
         make_methods(["ar", "dflash:zero"], target, drafter)
 

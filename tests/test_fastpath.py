@@ -1,13 +1,16 @@
 """The fast CPU path changes speed, not results: same state dict, same cache semantics,
 same greedy tokens."""
 
+import pytest
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from dflashkit.fastpath import (PACKED_MIN_ROWS, InPlaceCache, PackedLinear, is_packed,
-                                pack_linears, unpack_linears)
-from tests.conftest import tiny_target
+from dflashkit.decoding import speculative_generate
+from dflashkit.fastpath import (PACKED_MIN_ROWS, ROWWISE_ATTENTION, InPlaceCache, PackedLinear,
+                                bf16_fast, is_packed, pack_linears, resolve_dtype, unpack_linears)
+from tests.conftest import VOCAB, tiny_target
+from tests.test_decoding import OracleProposer
 
 
 def test_packing_keeps_state_dict_names_and_round_trips():
@@ -55,3 +58,74 @@ def test_in_place_cache_equals_dynamic_cache_through_growth_and_rollback():
         assert cache.get_seq_length() == pos
         results.append(torch.cat(out))
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
+
+
+class _AttentionStub(nn.Module):
+    num_key_value_groups = 2
+    is_causal = True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowwise_attention_rows_are_bitwise_one_token_steps(dtype):
+    """Each new row equals HF's own one-token attention call over the keys it would see alone,
+    also in a batch whose shorter row has holes (masked-out entries) in its keys."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dflashkit.fastpath import rowwise_sdpa
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, d, q, kv = 2, 4, 2, 16, 5, 300
+    query = torch.randn(b, heads, q, d, generator=g).to(dtype)
+    key = torch.randn(b, kv_heads, kv, d, generator=g).to(dtype)
+    value = torch.randn(b, kv_heads, kv, d, generator=g).to(dtype)
+    keep = torch.ones(b, kv, dtype=torch.bool)
+    keep[1, :37] = False                     # row 1 joined later: left holes
+    keep[1, 120:130] = False                 # and rejected entries in the middle
+    mask = keep[:, None, None, :].expand(b, 1, q, kv).clone()
+    for r in range(q):                       # causal inside the block
+        mask[:, :, r, kv - q + r + 1:] = False
+    module = _AttentionStub()
+    out, _ = rowwise_sdpa(module, query, key, value, mask, scaling=d ** -0.5)
+    assert out.shape == (b, q, heads, d)
+    for i in range(b):
+        for r in range(q):
+            visible = keep[i, :kv - q + r + 1]
+            alone, _ = sdpa_attention_forward(module, query[i:i + 1, :, r:r + 1],
+                                              key[i:i + 1, :, :kv - q + r + 1][:, :, visible],
+                                              value[i:i + 1, :, :kv - q + r + 1][:, :, visible],
+                                              None, scaling=d ** -0.5)
+            assert torch.equal(out[i:i + 1, r:r + 1], alone), (i, r)
+
+
+@pytest.mark.skipif(not bf16_fast(), reason="this CPU has no bf16 matrix arithmetic (AMX)")
+def test_bf16_verify_pass_is_bitwise_one_token_steps():
+    """On the bf16 fast path a pass over 6 new tokens gives the very logits of 6 one-token
+    steps, so speculative greedy output equals the plain loop's exactly."""
+    target = tiny_target("qwen2", seed=3, dtype=torch.bfloat16, temperature_scale=3.0)
+    target.set_fast_path(True)
+    assert target.model.config._attn_implementation == ROWWISE_ATTENTION
+    prompt = torch.tensor([[5, 9, 14, 3, 22, 7, 30, 11]])
+    block = torch.tensor([[4, 17, 8, 25, 6, 12]])
+    cache = target.new_cache()
+    target.forward(prompt, 0, cache)
+    together = target.forward(block, prompt.shape[1], cache).logits
+    cache = target.new_cache()
+    target.forward(prompt, 0, cache)
+    steps = torch.cat([target.forward(block[:, j:j + 1], prompt.shape[1] + j, cache).logits
+                       for j in range(block.shape[1])], dim=1)
+    assert torch.equal(together, steps)
+    plain = speculative_generate(target, None, [5, 9, 14, 3], max_new_tokens=40, block_size=1,
+                                 stop_token_ids=[])
+    for noisy_every in (1, 3):
+        cont = [t if (i + 1) % noisy_every else (t + 1) % VOCAB for i, t in enumerate(plain.tokens)]
+        res = speculative_generate(target, OracleProposer(cont if noisy_every > 1 else plain.tokens, 4),
+                                   [5, 9, 14, 3], max_new_tokens=40, block_size=6, stop_token_ids=[])
+        assert res.tokens == plain.tokens
+    target.set_fast_path(False)
+    assert target.model.config._attn_implementation == "sdpa"
+
+
+def test_dtype_names_resolve_and_bad_ones_say_what_to_choose():
+    assert resolve_dtype(None) is torch.float32
+    assert resolve_dtype("bfloat16") is torch.bfloat16 and resolve_dtype("fp32") is torch.float32
+    with pytest.raises(ValueError, match="choose float32 or bfloat16"):
+        resolve_dtype("int8")

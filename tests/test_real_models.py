@@ -8,6 +8,7 @@ import torch
 from dflashkit.cli import main as cli_main
 from dflashkit.decoding import speculative_generate
 from dflashkit.drafter import config_for_target, init_drafter
+from dflashkit.fastpath import bf16_fast
 from dflashkit.models import prepare_model
 from dflashkit.target import load_target
 from tests.test_decoding import OracleProposer
@@ -84,3 +85,23 @@ def test_fast_path_equals_default_path_on_the_real_model(qwen):
     runs["auto"] = speculative_generate(qwen, drafter, ids, max_new_tokens=48, block_size="auto").tokens
     qwen.set_fast_path(True)
     assert len(set(map(tuple, runs.values()))) == 1, runs
+
+
+@pytest.mark.skipif(not bf16_fast(), reason="this CPU has no bf16 matrix arithmetic (AMX)")
+def test_bf16_fast_path_equals_its_plain_loop_on_the_real_model():
+    """bf16 (opt-in): speculative output, alone and in a batch with holes, is exactly the
+    bf16 plain loop's; block sizes 8 and auto with the shipped drafter."""
+    from dflashkit.batch import BatchRequest, batch_generate
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.cli import shipped_drafter
+    target = load_target(QWEN, dtype="bfloat16", progress=False)
+    assert target.fast_path and target.dtype == torch.bfloat16
+    drafter = load_drafter(shipped_drafter(QWEN))
+    prompts = [PROMPT, "What is 17 * 23? Explain briefly."]
+    ids = [target.encode_prompt(p) for p in prompts]
+    plain = [speculative_generate(target, None, i, max_new_tokens=40, block_size=1).tokens for i in ids]
+    for bs in (8, "auto"):
+        assert [speculative_generate(target, drafter, i, max_new_tokens=40, block_size=bs).tokens
+                for i in ids] == plain, bs
+    batched = batch_generate(target, drafter, [BatchRequest(i, 40) for i in ids], block_size=4)
+    assert [r.tokens for r in batched] == plain
