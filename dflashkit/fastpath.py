@@ -126,6 +126,60 @@ def unpack_linears(module: nn.Module) -> int:
     return count
 
 
+class FusedGateUpMLP(nn.Module):
+    """A gated MLP (``down(act(gate(x)) * up(x))``) whose gate and up projections run as one
+    packed bf16 matmul: one weight stream of 2 x intermediate rows instead of two, ~8 ms less
+    per 0.5B step here. oneDNN's result for each output is the same bits fused or not
+    (tested), and the activation sees a contiguous tensor as in HF's own forward. The
+    projections stay children under their names, so the state dict is unchanged."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.act_fn = mlp.act_fn
+        self.split = mlp.gate_proj.weight.shape[0]
+        weight = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
+        self.register_buffer("packed_gate_up", torch.ops.mkldnn._reorder_linear_weight(weight, None),
+                             persistent=False)
+        object.__setattr__(self, "original", mlp)   # restored by unfuse_mlps; not a child
+
+    @staticmethod
+    def fusable(mlp: nn.Module) -> bool:
+        names = ("gate_proj", "up_proj", "down_proj", "act_fn")
+        return (all(hasattr(mlp, n) for n in names) and type(mlp).forward is not FusedGateUpMLP.forward
+                and mlp.gate_proj.bias is None and mlp.up_proj.bias is None
+                and mlp.gate_proj.weight.dtype == torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.dtype != torch.bfloat16:
+            return self.original(x)
+        both = torch.ops.mkldnn._linear_pointwise(x, self.packed_gate_up, None, "none", [], "")
+        gate, up = both[..., :self.split].contiguous(), both[..., self.split:].contiguous()
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def fuse_mlps(module: nn.Module) -> dict[str, FusedGateUpMLP]:
+    """Replace every fusable bf16 gated MLP by a :class:`FusedGateUpMLP`; returns them by name."""
+    fused = {}
+    for name, mlp in list(module.named_modules()):
+        if name.endswith("mlp") and FusedGateUpMLP.fusable(mlp):
+            parent, _, child = name.rpartition(".")
+            fused[name] = FusedGateUpMLP(mlp)
+            setattr(module.get_submodule(parent) if parent else module, child, fused[name])
+    return fused
+
+
+def unfuse_mlps(module: nn.Module) -> int:
+    """Undo :func:`fuse_mlps`."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FusedGateUpMLP):
+                setattr(parent, name, child.original)
+                count += 1
+    return count
+
+
 def is_packed(module: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) for m in module.modules())
 

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 from .fastpath import (ROWWISE_ATTENTION, InPlaceCache, PackedLinear, fast_path_available,  # noqa: E402
-                       pack_linears, resolve_dtype, unpack_linears)
+                       fuse_mlps, pack_linears, resolve_dtype, unfuse_mlps, unpack_linears)
 
 
 class TargetError(ValueError):
@@ -141,11 +141,13 @@ class Target(TargetInfo):
             if self._packed is None:
                 pack_linears(self.model)
                 self._packed = {n: m for n, m in self.model.named_modules() if isinstance(m, PackedLinear)}
+                self._packed.update(fuse_mlps(self.model))
             else:
-                for name, packed in self._packed.items():
+                for name, packed in self._packed.items():   # linears first, then fused MLPs
                     parent, _, child = name.rpartition(".")
                     setattr(self.model.get_submodule(parent) if parent else self.model, child, packed)
         elif not on and self.fast_path:
+            unfuse_mlps(self.model)
             unpack_linears(self.model)
         self._set_rowwise_attention(on and self.dtype != torch.float32)
         self.fast_path = bool(on)
@@ -159,7 +161,7 @@ class Target(TargetInfo):
         elif not on and cfg._attn_implementation == ROWWISE_ATTENTION:
             cfg._attn_implementation = "sdpa"
 
-    _packed: dict[str, PackedLinear] | None = None
+    _packed: dict[str, nn.Module] | None = None   # PackedLinear and FusedGateUpMLP by name
 
     @contextmanager
     def default_path(self):

@@ -7,8 +7,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from dflashkit.decoding import speculative_generate
-from dflashkit.fastpath import (PACKED_MIN_ROWS, ROWWISE_ATTENTION, InPlaceCache, PackedLinear,
-                                bf16_fast, is_packed, pack_linears, resolve_dtype, unpack_linears)
+from dflashkit.fastpath import (PACKED_MIN_ROWS, ROWWISE_ATTENTION, FusedGateUpMLP, InPlaceCache,
+                                PackedLinear, bf16_fast, is_packed, pack_linears, resolve_dtype, unpack_linears)
 from tests.conftest import VOCAB, tiny_target
 from tests.test_decoding import OracleProposer
 
@@ -129,3 +129,23 @@ def test_dtype_names_resolve_and_bad_ones_say_what_to_choose():
     assert resolve_dtype("bfloat16") is torch.bfloat16 and resolve_dtype("fp32") is torch.float32
     with pytest.raises(ValueError, match="choose float32 or bfloat16"):
         resolve_dtype("int8")
+
+
+@pytest.mark.skipif(not bf16_fast(), reason="this CPU has no bf16 matrix arithmetic (AMX)")
+def test_fused_gate_up_mlp_is_bitwise_the_mlp_and_keeps_the_state_dict():
+    target = tiny_target("qwen2", seed=4, dtype=torch.bfloat16)
+    target.set_fast_path(False)
+    names = list(target.model.state_dict())
+    mlp = target.model.model.layers[0].mlp
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 5):
+            x = torch.randn(1, rows, 64, generator=g).to(torch.bfloat16)
+            assert torch.equal(FusedGateUpMLP(mlp)(x), mlp(x))
+    target.set_fast_path(True)
+    assert isinstance(target.model.model.layers[0].mlp, FusedGateUpMLP)
+    assert list(target.model.state_dict()) == names
+    target.set_fast_path(False)
+    assert type(target.model.model.layers[0].mlp) is type(mlp) and list(target.model.state_dict()) == names
+    target.set_fast_path(True)     # re-installed from the cache of packed modules
+    assert isinstance(target.model.model.layers[0].mlp, FusedGateUpMLP)
