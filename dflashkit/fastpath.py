@@ -115,15 +115,21 @@ def pack_linears(module: nn.Module) -> int:
     return count
 
 
-def unpack_linears(module: nn.Module) -> int:
-    """Undo :func:`pack_linears`: put the original ``nn.Linear`` modules back."""
+def restore_originals(module: nn.Module, wrapper: type) -> int:
+    """Put back the module each ``wrapper`` instance inside ``module`` replaced (its
+    ``original``); returns how many."""
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, PackedLinear):
+            if isinstance(child, wrapper):
                 setattr(parent, name, child.original)
                 count += 1
     return count
+
+
+def unpack_linears(module: nn.Module) -> int:
+    """Undo :func:`pack_linears`: put the original ``nn.Linear`` modules back."""
+    return restore_originals(module, PackedLinear)
 
 
 class FusedGateUpMLP(nn.Module):
@@ -171,13 +177,7 @@ def fuse_mlps(module: nn.Module) -> dict[str, FusedGateUpMLP]:
 
 def unfuse_mlps(module: nn.Module) -> int:
     """Undo :func:`fuse_mlps`."""
-    count = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, FusedGateUpMLP):
-                setattr(parent, name, child.original)
-                count += 1
-    return count
+    return restore_originals(module, FusedGateUpMLP)
 
 
 def is_packed(module: nn.Module) -> bool:
