@@ -297,17 +297,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", help="acceptance and speedup on standard suites, all methods")
-    bench.add_argument("--target", required=True)
+    bench.add_argument("--target", required=True, help="model name or local Hugging Face folder")
     bench.add_argument("--drafter", type=Path, help="default: the shipped drafter of the target")
-    bench.add_argument("--suites", default="humaneval,mtbench,gsm,math,chat,zh")
+    bench.add_argument("--suites", default="humaneval,mtbench,gsm,math,chat,zh",
+                       help="comma-separated (default: all six)")
     bench.add_argument("--methods", default="ar,ar-loop,dflash,prompt-lookup",
-                       help="comma-separated: ar, ar-loop, dflash, prompt-lookup, assisted:MODEL")
-    bench.add_argument("--num-prompts", type=_positive_int, default=20)
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=256)
-    bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--top-p", type=float, default=1.0)
-    bench.add_argument("--top-k", type=int, default=0)
-    bench.add_argument("--seed", type=int, default=0)
+                       help="comma-separated: ar, ar-loop, dflash, dflash:B, dflash:auto, "
+                            "prompt-lookup, assisted:MODEL (default: ar,ar-loop,dflash,prompt-lookup)")
+    bench.add_argument("--num-prompts", type=_positive_int, default=20,
+                       help="per suite; a fixed subset for a given --seed (default 20)")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=256, help="default 256")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    bench.add_argument("--top-p", type=float, default=1.0, help="default 1.0")
+    bench.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    bench.add_argument("--seed", type=int, default=0, help="prompt subset and sampling seed (default 0)")
     bench.add_argument("--block-size", type=_block_size, default="auto",
                        help="dflash tokens per verify, or auto (default; see generate)")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -315,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-fast-path", action="store_true",
                        help="run our loops on PyTorch's default CPU kernels")
     bench.add_argument("--max-turns", type=_positive_int, help="only the first N turns (MT-Bench has 2)")
-    bench.add_argument("--out", type=Path, default=Path("bench-out"))
+    bench.add_argument("--out", type=Path, default=Path("bench-out"),
+                       help="report folder; a run there with the same configuration resumes "
+                            "(default bench-out)")
     bench.add_argument("--fresh", action="store_true",
                        help="start over instead of resuming the run already in --out")
     bench.set_defaults(func=cmd_bench)
