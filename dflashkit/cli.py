@@ -243,6 +243,11 @@ DTYPE_HELP = ("float32 (default): greedy output identical to HF generate. bfloat
               "differently and can pick another token at near-ties (README, 'bf16')")
 
 
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dtype`` for every command that loads a target (generate, bench, bench-cost, serve)."""
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help=DTYPE_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflashkit", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -285,8 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=_block_size, default="auto",
                      help="tokens per verify (1 = plain decoding), or auto (default): chosen at "
                           "each step from this machine's measured costs and the running acceptance")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                     help=DTYPE_HELP)
+    add_dtype_argument(gen)
     gen.add_argument("--no-fast-path", action="store_true",
                      help="use PyTorch's default CPU kernels instead of prepacked weights")
     gen.add_argument("--acceptance", choices=["match", "rejection"], default="match",
@@ -313,8 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="prompt subset and sampling seed (default 0)")
     bench.add_argument("--block-size", type=_block_size, default="auto",
                        help="dflash tokens per verify, or auto (default; see generate)")
-    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                     help=DTYPE_HELP)
+    add_dtype_argument(bench)
     bench.add_argument("--no-fast-path", action="store_true",
                        help="run our loops on PyTorch's default CPU kernels")
     bench.add_argument("--max-turns", type=_positive_int, help="only the first N turns (MT-Bench has 2)")
@@ -336,8 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--kv", default="256,2048", help="comma-separated KV lengths")
     cost.add_argument("--max-q", type=_positive_int, default=16)
     cost.add_argument("--backends", default="fast,default", help="fast, default or both")
-    cost.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                     help=DTYPE_HELP)
+    add_dtype_argument(cost)
     cost.add_argument("--repeats", type=_positive_int, default=5)
     cost.add_argument("--out", type=Path, default=Path("bench-cost-out"))
     cost.set_defaults(func=cmd_bench_cost)

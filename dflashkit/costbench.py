@@ -3,7 +3,8 @@
 For each execution backend (the fast path and PyTorch's defaults) and KV length: a target
 forward over q = 1..max_q new tokens, and one drafter pass; beside them the bandwidth floor
 (weight bytes / measured read bandwidth) and the compute floor (FLOPs / measured matmul peak
-in the target's dtype), both measured in the same run. Writes ``costs.json``, ``costs.md`` and ``costs.png``.
+in the target's dtype), both measured in the same run. Writes ``costs.json``, ``costs.md``
+and ``costs.png``.
 """
 
 from __future__ import annotations

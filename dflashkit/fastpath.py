@@ -27,6 +27,8 @@ Quantisation is not part of this path: numbers stay those of the chosen float dt
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 
+@functools.cache
 def bf16_fast() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles, as on Sapphire
     Rapids and later). Without them PyTorch emulates bf16 and it is slower than fp32."""
@@ -134,7 +137,7 @@ def unpack_linears(module: nn.Module) -> int:
 
 class FusedGateUpMLP(nn.Module):
     """A gated MLP (``down(act(gate(x)) * up(x))``) whose gate and up projections run as one
-    packed bf16 matmul: one weight stream of 2 x intermediate rows instead of two, ~8 ms less
+    packed bf16 matmul: one weight stream of 2 x intermediate rows instead of two, ~6 ms less
     per 0.5B step here. oneDNN's result for each output is the same bits fused or not
     (tested), and the activation sees a contiguous tensor as in HF's own forward. The
     projections stay children under their names, so the state dict is unchanged."""
@@ -152,7 +155,7 @@ class FusedGateUpMLP(nn.Module):
     @staticmethod
     def fusable(mlp: nn.Module) -> bool:
         names = ("gate_proj", "up_proj", "down_proj", "act_fn")
-        return (all(hasattr(mlp, n) for n in names) and type(mlp).forward is not FusedGateUpMLP.forward
+        return (all(hasattr(mlp, n) for n in names) and not isinstance(mlp, FusedGateUpMLP)
                 and mlp.gate_proj.bias is None and mlp.up_proj.bias is None
                 and mlp.gate_proj.weight.dtype == torch.bfloat16)
 

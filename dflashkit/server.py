@@ -966,7 +966,7 @@ def _positive_float(text: str) -> float:
 
 def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` on a subparsers object (``set_defaults(func=cmd_serve)``)."""
-    from .cli import DTYPE_HELP, _block_size, _positive_int
+    from .cli import _block_size, _positive_int, add_dtype_argument
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with speculative decoding",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="registry name or local Hugging Face folder")
@@ -978,8 +978,7 @@ def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
                    help="tokens per verify pass (1 = plain decoding), or auto (the default with a "
                         "drafter): chosen per step from this machine's measured costs")
     p.add_argument("--no-fast-path", action="store_true", help="PyTorch's default CPU kernels")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help=DTYPE_HELP)
+    add_dtype_argument(p)
     p.add_argument("--max-batch", type=_positive_int, default=ServerConfig.max_batch,
                    help="requests waiting together are decoded together, up to this many "
                         "(1 = one at a time)")
