@@ -75,6 +75,9 @@ def load_config(path: str | Path) -> PipelineConfig:
                          drafter=_build(DrafterSpec, raw.get("drafter"), f"{path}: drafter"),
                          train=train, export_dir=raw.get("export_dir"), raw=raw)
     cfg.data.out_dir = str(cfg.data_dir)
+    from .fastpath import DTYPES
+    if cfg.data.dtype not in DTYPES:
+        raise ConfigError(f"{path}: data.dtype must be one of {sorted(DTYPES)}, got {cfg.data.dtype!r}")
     return cfg
 
 
@@ -86,12 +89,12 @@ def run_data_stage(cfg: PipelineConfig, target=None, progress: bool = True) -> P
     if meta.exists():
         print(f"data: complete ({json.loads(meta.read_text())['num_samples']} samples) in {cfg.data_dir}")
         return cfg.data_dir
-    target = target or load_target(cfg.target, progress=progress)
+    target = target or load_target(cfg.target, dtype=cfg.data.dtype, progress=progress)
     if not cfg.data.feature_layers:
         from .drafter import default_target_layer_ids
         cfg.data.feature_layers = default_target_layer_ids(target.num_layers, 5)
     d = cfg.data
-    prompts = training_prompts(d.num_code, d.num_math, d.num_chat, seed=d.seed)
+    prompts = training_prompts(d.num_code, d.num_math, d.num_chat, seed=d.seed, num_docs=d.num_docs)
     return regenerate(target, prompts, d, progress=progress)
 
 

@@ -5,19 +5,25 @@
   split iff sha1(id) % 10 == 0; training uses only the rest.
 - code completions: signatures + docstrings of pure-Python standard-library functions,
   HumanEval-shaped (HumanEval itself is evaluation only).
+- library completions ("docs"): the same shape from the pure-Python functions of sympy,
+  networkx and numpy, which torch and numpy pin, so the pool is the same on every install.
 - math: reasoning-gym generators at TRAINING seeds (>= 10_000); benchmarks use seeds < 10_000.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import io
 import json
+import pkgutil
 import random
 import re
 import textwrap
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -87,17 +93,49 @@ _STDLIB_MODULES = (
 
 def stdlib_code_prompts() -> list[dict]:
     """HumanEval-shaped completions from standard-library functions with good docstrings."""
-    out, seen = [], set()
-    for mod_name in _STDLIB_MODULES:
+    return _docstring_prompts(_STDLIB_MODULES, "stdlib", "stdlib-docstrings", "code", max_doc=900)
+
+
+LIBRARY_PACKAGES = ("sympy", "networkx", "numpy")
+
+
+def library_code_prompts() -> list[dict]:
+    """HumanEval-shaped completions from sympy, networkx and numpy functions (their
+    docstrings often carry ``>>>`` examples, as HumanEval's do). Sorted module walk: the
+    pool depends only on the pinned package versions."""
+    modules = []
+    for package in LIBRARY_PACKAGES:
         try:
-            mod = importlib.import_module(mod_name)
-        except Exception:
+            root = importlib.import_module(package)
+        except ImportError:
+            continue
+        modules.append(package)
+        with warnings.catch_warnings():   # the walk imports subpackages, some warn
+            warnings.simplefilter("ignore")
+            for info in pkgutil.walk_packages(root.__path__, package + ".", onerror=lambda name: None):
+                parts = info.name.split(".")[1:]
+                if not any(p.startswith(("_", "test", "conftest", "benchmark")) for p in parts):
+                    modules.append(info.name)
+    return _docstring_prompts(sorted(modules), "lib", "library-docstrings", "docs", max_doc=1200)
+
+
+def _docstring_prompts(module_names, prefix: str, source: str, kind: str, max_doc: int) -> list[dict]:
+    """One prompt per public function defined in the module with a 60..max_doc character
+    docstring and a signature; a name is used once (re-exports and twins are skipped)."""
+    import warnings
+    out, seen = [], set()
+    for mod_name in module_names:
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+                warnings.simplefilter("ignore")   # some modules print or warn on import
+                mod = importlib.import_module(mod_name)
+        except Exception:  # optional submodules with missing extras
             continue
         for name, obj in sorted(vars(mod).items()):
             if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != mod.__name__:
                 continue
             doc = inspect.getdoc(obj) or ""
-            if not 60 <= len(doc) <= 900 or name in seen:
+            if not 60 <= len(doc) <= max_doc or name in seen:
                 continue
             try:
                 sig = str(inspect.signature(obj))
@@ -106,7 +144,7 @@ def stdlib_code_prompts() -> list[dict]:
             seen.add(name)
             body = textwrap.indent(f'"""{doc}\n"""', "    ")
             code = f"def {name}{sig}:\n{body}\n"
-            out.append({"id": f"stdlib-{mod_name}.{name}", "source": "stdlib-docstrings", "kind": "code",
+            out.append({"id": f"{prefix}-{mod_name}.{name}", "source": source, "kind": kind,
                         "messages": [{"role": "user",
                                       "content": f"{CODE_INSTRUCTION}\n```python\n{code}```"}]})
     return out
@@ -133,16 +171,19 @@ def math_prompts(n: int, seed: int = TRAIN_MATH_SEED, families=_TRAIN_MATH_FAMIL
     return out
 
 
-def training_prompts(num_code: int, num_math: int, num_chat: int, seed: int = 0) -> list[dict]:
+def training_prompts(num_code: int, num_math: int, num_chat: int, seed: int = 0,
+                     num_docs: int = 0) -> list[dict]:
     """A seeded, proportionally interleaved mix. Each pool is shuffled once, independently of
-    the counts, so a smaller request is a subset of a larger one (a run can be resized)."""
+    the counts, so a smaller request is a subset of a larger one (a run can be resized, and a
+    new pool added, without changing what the others contribute)."""
     shared = sharegpt_first_turns("train")
     pools = {
         "code": stdlib_code_prompts() + [p for p in shared if p["kind"] == "code"],
         "math": math_prompts(max(num_math, 1000), TRAIN_MATH_SEED + seed),
         "chat": [p for p in shared if p["kind"] == "chat"],
+        "docs": library_code_prompts() if num_docs else [],
     }
-    counts = {"code": num_code, "math": num_math, "chat": num_chat}
+    counts = {"code": num_code, "math": num_math, "chat": num_chat, "docs": num_docs}
     for kind, pool in pools.items():
         random.Random(f"{seed}-{kind}").shuffle(pool)
         if counts[kind] > len(pool):

@@ -152,6 +152,17 @@ class Target(TargetInfo):
         self._set_rowwise_attention(on and self.dtype != torch.float32)
         self.fast_path = bool(on)
 
+    @contextmanager
+    def batched_attention(self):
+        """One attention call per pass even on the bf16 path: for batched generation whose
+        rows need not equal one-token steps bit for bit (training data)."""
+        before = self.model.config._attn_implementation
+        self._set_rowwise_attention(False)
+        try:
+            yield self
+        finally:
+            self.model.config._attn_implementation = before
+
     def _set_rowwise_attention(self, on: bool) -> None:
         """bf16 verify passes attend row by row (fastpath.rowwise_sdpa) so they compute the
         very numbers of one-token steps; fp32 keeps one attention call per pass."""

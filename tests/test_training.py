@@ -193,3 +193,38 @@ def test_online_features_train_like_stored_ones(tiny_run):
         rows = (cfg.train_dir / "log.csv").read_text().splitlines()
         losses[mode] = float(rows[1].split(",")[3])
     assert losses["online"] == pytest.approx(losses["stored"], rel=0.02)
+
+
+def test_library_prompts_are_humaneval_shaped_and_extend_the_mix_without_changing_it():
+    from dflashkit.prompts import CODE_INSTRUCTION, library_code_prompts, training_prompts
+    pool = library_code_prompts()
+    assert len(pool) > 1000 and len({p["id"] for p in pool}) == len(pool)
+    for p in pool[::97]:
+        text = p["messages"][0]["content"]
+        assert text.startswith(CODE_INSTRUCTION) and "\n```python\ndef " in text and '"""' in text
+        assert p["kind"] == "docs" and p["source"] == "library-docstrings"
+    base = training_prompts(12, 6, 6)
+    more = training_prompts(12, 6, 6, num_docs=8)
+    assert {p["id"] for p in base} <= {p["id"] for p in more}
+    docs = [p for p in more if p["kind"] == "docs"]
+    assert len(docs) == 8 and len(more) == len(base) + 8
+
+
+def test_batched_attention_turns_the_rowwise_path_off_and_back_on():
+    from dflashkit.fastpath import ROWWISE_ATTENTION, bf16_fast
+    if not bf16_fast():
+        pytest.skip("this CPU has no bf16 matrix arithmetic (AMX)")
+    target = tiny_target("qwen2", seed=1, dtype=torch.bfloat16)
+    assert target.model.config._attn_implementation == ROWWISE_ATTENTION
+    with pytest.raises(RuntimeError), target.batched_attention():
+        assert target.model.config._attn_implementation == "sdpa"
+        raise RuntimeError("interrupted")
+    assert target.model.config._attn_implementation == ROWWISE_ATTENTION
+
+
+def test_config_rejects_an_unknown_data_dtype(tmp_path):
+    from dflashkit.pipeline import ConfigError, load_config
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"target": "t", "run_dir": "r", "data": {"dtype": "float16"}}))
+    with pytest.raises(ConfigError, match="data.dtype must be one of"):
+        load_config(path)
