@@ -333,7 +333,11 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
     if max_turns:
         prompts = [BenchPrompt(p.suite, p.id, p.turns[:max_turns]) for p in prompts]
     stops = target.stop_token_ids()
-    fingerprint = {"target": target.name, "drafter": config.get("drafter"), "suites": suites,
+    # everything that changes a record: a resumed run must match it exactly (the drafter by
+    # content, so one retrained in place starts a new run instead of mixing two drafters)
+    fingerprint = {"target": target.name, "drafter": config.get("drafter"),
+                   "drafter_sha256": config.get("drafter_sha256"), "dtype": str(target.dtype),
+                   "suites": suites,
                    "methods": list(methods), "num_prompts": num_prompts,
                    "max_new_tokens": max_new_tokens, "sampling": asdict(sampling), "seed": seed,
                    "max_turns": max_turns, "block_size": str(config.get("block_size")),

@@ -9,6 +9,7 @@ names, shapes and the config, and any mismatch is an error that names the field.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -259,6 +260,20 @@ def read_config(path: str | Path) -> DrafterConfig:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
     return config_from_dict(data, str(file))
+
+
+def drafter_digest(path: str | Path) -> str:
+    """sha256 over the files that define a drafter folder: a resumed benchmark checks it, so
+    a drafter retrained in place is never mixed with records of the old one."""
+    digest = hashlib.sha256()
+    for name in (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME):
+        f = Path(path) / name
+        if f.exists():
+            digest.update(name.encode())
+            with f.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:

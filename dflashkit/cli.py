@@ -172,7 +172,7 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args) -> int:
     from .bench import make_methods, run_bench
-    from .checkpoint import load_drafter
+    from .checkpoint import drafter_digest, load_drafter
     from .sampling import SamplingConfig
     from .suites import STAND_INS
     from .target import load_target
@@ -194,6 +194,7 @@ def cmd_bench(args) -> int:
                                                                    fast_path=False))
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     config["drafter"] = str(drafter_path) if drafter is not None else None
+    config["drafter_sha256"] = drafter_digest(drafter_path) if drafter is not None else None
     report = run_bench(target, methods, suites, args.num_prompts, args.max_new_tokens, sampling,
                        args.seed, args.out, config, max_turns=args.max_turns, fresh=args.fresh)
     print((args.out / "report.md").read_text())

@@ -125,6 +125,9 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
         with pytest.raises(ValueError, match="different configuration"):
             run_bench(target, methods, ["humaneval"], 4, 7, SamplingConfig(), 0, tmp_path,
                       {"target": "tiny"}, progress=False)
+        with pytest.raises(ValueError, match="different configuration"):   # drafter retrained in place
+            run_bench(target, methods, ["humaneval"], 4, 6, SamplingConfig(), 0, tmp_path,
+                      {"target": "tiny", "drafter_sha256": "another"}, progress=False)
         calls.update(n=0)
         run_bench(*args, progress=False, fresh=True)
         assert calls["n"] == 8

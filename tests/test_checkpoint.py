@@ -273,3 +273,12 @@ def test_checkpoint_gives_reference_draft_logits(tmp_path):
     torch.testing.assert_close(cache_free, want, atol=1e-5, rtol=1e-5)
     head = target.lm_head
     assert torch.equal(head(got[:, 1:]).argmax(-1), head(want[:, 1:]).argmax(-1))
+
+
+def test_drafter_digest_follows_the_weights_not_the_folder(tmp_path):
+    from dflashkit.checkpoint import drafter_digest
+    save_drafter(init_drafter(small_config(), seed=3), tmp_path / "a")
+    save_drafter(init_drafter(small_config(), seed=3), tmp_path / "b")
+    save_drafter(init_drafter(small_config(), seed=4), tmp_path / "c")
+    assert drafter_digest(tmp_path / "a") == drafter_digest(tmp_path / "b")
+    assert drafter_digest(tmp_path / "a") != drafter_digest(tmp_path / "c")
