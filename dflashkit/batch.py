@@ -165,12 +165,13 @@ class BatchDecoder:
         t = time.perf_counter()
         blocks: list[list[int]] = []
         probs: list[torch.Tensor | None] = []
-        n_batch = len(self.rows)
+        n_batch, n_drafted = len(self.rows), 0
         for r in self.rows:
             remaining = r.request.max_new_tokens - len(r.generated)
             n, drafting = plan_step(policy, self.block_size, drafter is not None, remaining, rows=n_batch)
             proposals, dprobs = [], None
             if drafting:
+                n_drafted += 1
                 draft_sampling = r.request.sampling if self.acceptance == "rejection" else SamplingConfig()
                 if isinstance(drafter, DFlashProposer):
                     drafter.cache = r.context    # each row has its own drafter context
@@ -195,6 +196,8 @@ class BatchDecoder:
         mask = torch.cat([self.mask, torch.ones((n_batch, q), dtype=self.mask.dtype, device=device)], 1)
         out = target.forward(block, 0, self.cache, self.capture, attention_mask=mask, positions=pos)
         verify_s = time.perf_counter() - t
+        if policy is not None:
+            policy.observe_costs(n_batch * q, verify_s, draft_s / n_drafted if n_drafted else None)
         for k, r in enumerate(self.rows):
             proposals = blocks[k][1:]
             logits = out.logits[k, :len(blocks[k])]

@@ -284,7 +284,7 @@ def speculative_generate(
         s = len(committed) - 1
         remaining = max_new_tokens - len(generated)
         n_draft, drafting = plan_step(policy, block_size, drafter is not None, remaining)
-        proposals, draft_probs = [], None
+        proposals, draft_probs, draft_s = [], None, None
         if drafting:
             t = time.perf_counter()
             # "match" drafts greedily (the most likely proposal is the one most often equal to
@@ -300,10 +300,13 @@ def speculative_generate(
             if draft_probs is not None:
                 draft_probs = draft_probs[:n_draft]
             pending = pending[:, :0] if pending is not None else None
-            stats.draft_s += time.perf_counter() - t
+            draft_s = time.perf_counter() - t
+            stats.draft_s += draft_s
         t = time.perf_counter()
         block = torch.tensor([[committed[-1]] + proposals], device=device)
         out = target.forward(block, s, cache, capture)
+        if policy is not None:
+            policy.observe_costs(block.shape[1], time.perf_counter() - t, draft_s)
         logits = out.logits[0]
         if sampling.greedy:
             a, nxt = _accept_greedy(proposals, logits)

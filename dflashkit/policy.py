@@ -13,6 +13,10 @@ the committed text reaches past a proposal we know how far it would have matched
 not those slots were verified. So the estimates for long prefixes keep improving even while
 the policy verifies few tokens, and a policy that verifies nothing still drafts now and
 then to keep learning.
+
+Costs are learned too (``OnlineCost``): the curve measured at start-up (KV 256, an idle
+machine) is corrected by the pass times the loop actually observes, so a longer context, a
+busier machine or per-row work the benchmark did not see moves the choice.
 """
 
 from __future__ import annotations
@@ -22,12 +26,73 @@ from dataclasses import dataclass, field
 from .costs import CostCurve
 
 
+@dataclass
+class OnlineCost:
+    """The measured curve times a correction learned from observed pass times.
+
+    For q tokens the correction is a decayed mean of observed/curve ratios at q, with the
+    machine-wide ratio over all q as its prior (so a q never tried is scaled like the rest,
+    not believed cheaper because only its neighbours were seen to slow down); that one has 1
+    (the curve) as its prior. Priors and observations decay alike, so old evidence fades
+    as the context grows or the load moves, and enough observations outweigh any prior.
+    """
+
+    curve: CostCurve
+    prior_weight: float = 4.0     # pseudo-observations behind the machine-wide ratio's prior
+    q_prior_weight: float = 1.0   # ... behind each q's prior (the machine-wide ratio)
+    decay: float = 0.95           # weight left to an observation after each newer one
+    _per_q: dict[int, list[float]] = field(default_factory=dict)   # q -> [sum, weight, prior weight]
+    _all: list[float] = field(default_factory=list)
+    _draft: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._all = self._all or self._fresh()
+        self._draft = self._draft or self._fresh()
+
+    def _fresh(self, weight: float | None = None) -> list[float]:
+        return [0.0, 0.0, self.prior_weight if weight is None else weight]
+
+    def _add(self, acc: list[float], value: float) -> None:
+        acc[0] = acc[0] * self.decay + value
+        acc[1] = acc[1] * self.decay + 1.0
+        acc[2] = acc[2] * self.decay
+
+    @staticmethod
+    def _mean(acc: list[float], prior: float) -> float:
+        return (acc[2] * prior + acc[0]) / (acc[2] + acc[1])
+
+    def observe_verify(self, tokens: int, ms: float) -> None:
+        if tokens < 1 or not ms > 0:
+            return
+        ratio = ms / self.curve.verify(tokens)
+        if tokens not in self._per_q:
+            self._per_q[tokens] = self._fresh(self.q_prior_weight)
+        self._add(self._per_q[tokens], ratio)
+        self._add(self._all, ratio)
+
+    def observe_draft(self, ms: float) -> None:
+        if ms > 0:
+            self._add(self._draft, ms)
+
+    def machine_ratio(self) -> float:
+        return self._mean(self._all, 1.0)
+
+    def verify(self, q: int) -> float:
+        g = self.machine_ratio()
+        acc = self._per_q.get(q)
+        return self.curve.verify(q) * (self._mean(acc, g) if acc else g)
+
+    @property
+    def draft_ms(self) -> float:
+        return self._mean(self._draft, self.curve.draft_ms * self.machine_ratio())
+
+
 def expected_tokens(prefix_rates: list[float], n: int) -> float:
     """E(n) = 1 + sum of P(first k accepted) for k = 1..n."""
     return 1.0 + sum(prefix_rates[:n])
 
 
-def best_num_drafts(prefix_rates: list[float], curve: CostCurve, max_drafts: int,
+def best_num_drafts(prefix_rates: list[float], curve: CostCurve | OnlineCost, max_drafts: int,
                     rows: int = 1) -> int:
     """The n in 0..max_drafts with the highest expected committed tokens per millisecond.
 
@@ -49,12 +114,19 @@ class AdaptiveBlockSize:
     max_drafts: int
     prior_weight: float = 4.0     # pseudo-observations behind the prior
     explore_every: int = 4        # when verifying nothing, still draft every N-th step
+    learn_costs: bool = True      # correct the curve with observed pass times (OnlineCost)
+    explore_costs_every: int = 8  # every N-th choice tries a neighbour of the best n, so the
+                                  # learned costs can reveal a curve whose slope is wrong
     matched: list[float] = field(default_factory=list)    # [k]: first k+1 proposals all matched
     observed: list[float] = field(default_factory=list)   # [k]: observations reaching slot k+1
     prior: list[float] = field(default_factory=list)
     _idle_steps: int = 0
+    _choices: int = 0
+    costs: OnlineCost | None = None
 
     def __post_init__(self):
+        if self.costs is None:
+            self.costs = OnlineCost(self.curve)
         if not self.prior:
             self.prior = [0.5 ** (k + 1) for k in range(self.max_drafts)]
         self.matched = self.matched or [0.0] * self.max_drafts
@@ -71,8 +143,19 @@ class AdaptiveBlockSize:
 
     def num_drafts(self, remaining: int, rows: int = 1) -> int:
         """Drafted tokens to verify this step (``remaining`` new tokens still allowed)."""
-        n = min(best_num_drafts(self.prefix_rates(), self.curve, self.max_drafts, rows), remaining - 1)
-        return max(n, 0)
+        costs = self.costs if self.learn_costs else self.curve
+        n = best_num_drafts(self.prefix_rates(), costs, self.max_drafts, rows)
+        self._choices += 1
+        if self.learn_costs and self.explore_costs_every and self._choices % self.explore_costs_every == 0:
+            down = (self._choices // self.explore_costs_every) % 2 == 1   # alternate below, above
+            n = n - 1 if (down and n > 0) or n == self.max_drafts else n + 1
+        return max(min(n, remaining - 1), 0)
+
+    def observe_costs(self, verify_tokens: int, verify_s: float, draft_s: float | None = None) -> None:
+        """Wall time of one verify pass over ``verify_tokens`` tokens, and of one drafter pass."""
+        self.costs.observe_verify(verify_tokens, verify_s * 1e3)
+        if draft_s is not None:
+            self.costs.observe_draft(draft_s * 1e3)
 
     def should_draft(self, num_drafts: int) -> bool:
         """Draft even when verifying none, every ``explore_every`` steps, to keep observing."""

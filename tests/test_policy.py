@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dflashkit.costs import CostCurve, cost_curve
 from dflashkit.decoding import DFlashProposer, speculative_generate
-from dflashkit.policy import AdaptiveBlockSize, best_num_drafts, expected_tokens
+from dflashkit.policy import AdaptiveBlockSize, OnlineCost, best_num_drafts, expected_tokens
 from tests.conftest import EOS
 from tests.test_decoding import OracleProposer, _long_reference, cached_target, hf_greedy
 
@@ -25,6 +25,62 @@ def test_choice_on_hand_computed_example():
     # n=0: 1/100  n=1: 1.6/110  n=2: 2.0/115  n=3: 2.3/205  -> n = 2
     assert best_num_drafts(rates, c, 3) == 2
     assert expected_tokens(rates, 2) == pytest.approx(2.0)
+
+
+def test_online_cost_is_the_curve_until_it_observes_and_then_follows_the_machine():
+    c = curve({1: 10.0, 4: 16.0, 8: 20.0}, draft=2.0)
+    cost = OnlineCost(c)
+    assert [cost.verify(q) for q in (1, 2, 4, 8)] == [c.verify(q) for q in (1, 2, 4, 8)]
+    assert cost.draft_ms == pytest.approx(2.0)
+    for _ in range(200):            # the whole machine runs at half speed
+        cost.observe_verify(4, 32.0)
+        cost.observe_draft(4.0)
+    assert cost.verify(4) == pytest.approx(32.0, rel=0.01)
+    assert cost.verify(8) == pytest.approx(40.0, rel=0.05)      # never seen: scaled like the rest
+    assert cost.draft_ms == pytest.approx(4.0, rel=0.01)
+
+
+def _simulate(policy, true_ms, steps, draft_ms=1.0):
+    """The policy's choices when verify passes really cost ``true_ms(q)`` and a drafter pass
+    ``draft_ms`` (acceptance is fixed by the policy's prior)."""
+    choices = []
+    for _ in range(steps):
+        n = policy.num_drafts(remaining=1000)
+        choices.append(n)
+        policy.observe_costs(n + 1, true_ms(n + 1) / 1e3, draft_ms / 1e3)
+    return choices
+
+
+def test_learned_costs_move_the_choice_off_a_curve_that_underestimates_big_passes():
+    flat = curve({q: 10.0 for q in range(1, 9)}, draft=1.0)
+    rates = [0.9 ** (k + 1) for k in range(7)]
+
+    def true_ms(q):     # the curve says flat; really every token adds 4 ms
+        return 10.0 + 4.0 * (q - 1)
+
+    def policy(learn):
+        p = AdaptiveBlockSize(flat, max_drafts=7, learn_costs=learn, prior_weight=1e9,
+                              explore_costs_every=2)
+        p.prior = rates        # acceptance known exactly: only the costs are learned
+        return p
+
+    best = max(range(8), key=lambda n: expected_tokens(rates, n) / (true_ms(n + 1) + (n > 0)))
+    assert best == 4
+    assert set(_simulate(policy(False), true_ms, 50)) == {7}    # trusts the curve forever
+    learned = _simulate(policy(True), true_ms, 400)
+    assert learned[0] == 7
+    settled = [n for i, n in enumerate(learned[-40:]) if (len(learned) - 40 + i + 1) % 2]
+    assert set(settled) == {4}, settled     # the non-exploring choices found the true best
+
+
+def test_a_uniform_slowdown_does_not_change_the_choice():
+    c = curve({1: 100, 2: 105, 3: 110, 4: 200}, draft=5)
+    rates = [0.6, 0.4, 0.3]
+    p = AdaptiveBlockSize(c, max_drafts=3, prior_weight=1e9, explore_costs_every=0)
+    p.prior = rates
+    before = p.num_drafts(remaining=1000)
+    choices = _simulate(p, lambda q: 3 * c.verify(q), 40, draft_ms=15.0)
+    assert before == 2 and set(choices[-30:]) == {2}   # after a short transient
 
 
 def test_flat_cost_verifies_everything_and_steep_cost_nothing():
@@ -71,7 +127,7 @@ def test_policy_learns_from_an_oracle_and_stays_lossless(family):
     prompt = [7, 11, 13, 17, 19]
     ref = _long_reference(target, prompt, 60)
     policy = AdaptiveBlockSize(curve({q: 10.0 + q for q in range(1, 9)}, draft=1), max_drafts=7,
-                               prior=[0.01] * 7)
+                               prior=[0.01] * 7, learn_costs=False)   # acceptance learning only
     res = speculative_generate(target, OracleProposer(ref, len(prompt)), prompt,
                                max_new_tokens=60, block_size=policy, stop_token_ids=[])
     assert res.tokens == ref
