@@ -1,6 +1,7 @@
 """The training pipeline end to end on a tiny target: data, resume after kill -9, torchrun."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -193,6 +194,28 @@ def test_online_features_train_like_stored_ones(tiny_run):
         rows = (cfg.train_dir / "log.csv").read_text().splitlines()
         losses[mode] = float(rows[1].split(",")[3])
     assert losses["online"] == pytest.approx(losses["stored"], rel=0.02)
+
+
+def test_bf16_autocast_trains_fp32_master_weights_close_to_fp32(tiny_run):
+    """autocast: bfloat16 changes the arithmetic, not the recipe: the parameters and the
+    optimizer state stay fp32, and the first losses agree with fp32 training to bf16 precision."""
+    from dflashkit.pipeline import load_config
+    from dflashkit.trainer import Trainer
+    root, _ = tiny_run
+    losses = {}
+    for mode in ("float32", "bfloat16"):
+        cfg = load_config(_config(root, f"autocast-{mode}", autocast=mode, max_steps=3))
+        trainer = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
+        trainer.fit()
+        assert all(p.dtype == torch.float32 for p in trainer.drafter.parameters())
+        rows = (cfg.train_dir / "log.csv").read_text().splitlines()
+        losses[mode] = [float(r.split(",")[3]) for r in rows[1:]]
+    assert all(math.isfinite(x) for x in losses["bfloat16"])
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.03)
+    assert losses["bfloat16"] != losses["float32"]          # the bf16 arithmetic really ran
+    with pytest.raises(ValueError, match="train.autocast must be"):
+        cfg = load_config(_config(root, "autocast-bad", autocast="float16"))
+        Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
 
 
 def test_library_prompts_are_humaneval_shaped_and_extend_the_mix_without_changing_it():
