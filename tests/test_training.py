@@ -183,17 +183,21 @@ def test_two_processes_match_one(tiny_run):
 def test_online_features_train_like_stored_ones(tiny_run):
     """features: online runs the target per step; its first-step loss equals the stored path's
     to bf16 precision (stored features are bf16 copies of the same activations)."""
+    root, _ = tiny_run
+    losses = {mode: _logged_losses(root, f"features-{mode}", features=mode, max_steps=2)[0][0]
+              for mode in ("stored", "online")}
+    assert losses["online"] == pytest.approx(losses["stored"], rel=0.02)
+
+
+def _logged_losses(root: Path, name: str, **train):
+    """Train the tiny run in-process; returns (losses from log.csv, the trainer)."""
     from dflashkit.pipeline import load_config
     from dflashkit.trainer import Trainer
-    root, _ = tiny_run
-    losses = {}
-    for mode in ("stored", "online"):
-        cfg = load_config(_config(root, f"features-{mode}", features=mode, max_steps=2))
-        trainer = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
-        trainer.fit()
-        rows = (cfg.train_dir / "log.csv").read_text().splitlines()
-        losses[mode] = float(rows[1].split(",")[3])
-    assert losses["online"] == pytest.approx(losses["stored"], rel=0.02)
+    cfg = load_config(_config(root, name, **train))
+    trainer = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
+    trainer.fit()
+    rows = (cfg.train_dir / "log.csv").read_text().splitlines()
+    return [float(r.split(",")[3]) for r in rows[1:]], trainer
 
 
 def test_bf16_autocast_trains_fp32_master_weights_close_to_fp32(tiny_run):
@@ -204,12 +208,8 @@ def test_bf16_autocast_trains_fp32_master_weights_close_to_fp32(tiny_run):
     root, _ = tiny_run
     losses = {}
     for mode in ("float32", "bfloat16"):
-        cfg = load_config(_config(root, f"autocast-{mode}", autocast=mode, max_steps=3))
-        trainer = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
-        trainer.fit()
+        losses[mode], trainer = _logged_losses(root, f"autocast-{mode}", autocast=mode, max_steps=3)
         assert all(p.dtype == torch.float32 for p in trainer.drafter.parameters())
-        rows = (cfg.train_dir / "log.csv").read_text().splitlines()
-        losses[mode] = [float(r.split(",")[3]) for r in rows[1:]]
     assert all(math.isfinite(x) for x in losses["bfloat16"])
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.03)
     assert losses["bfloat16"] != losses["float32"]          # the bf16 arithmetic really ran
