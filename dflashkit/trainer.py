@@ -463,7 +463,8 @@ class Trainer:
             f"{cfg.num_anchors} anchors per sequence; gamma {self.gamma}; max length {cfg.max_length}",
             f"- AdamW lr {cfg.lr}, betas {tuple(cfg.betas)}, weight decay {cfg.weight_decay}, "
             f"{cfg.warmup_ratio:.0%} warmup then cosine, grad clip {cfg.grad_clip}; seed {cfg.seed}",
-            f"- features: {cfg.features}; attention: {self.attention}",
+            f"- features: {cfg.features}; attention: {self.attention}; arithmetic: "
+            f"{'bf16 autocast, fp32 master weights' if cfg.autocast == 'bfloat16' else 'fp32'}",
             f"- training time on this machine: {self.state.elapsed_s / 60:.1f} min "
             f"({os.cpu_count()} CPU cores)",
             "",
