@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -75,17 +76,25 @@ def _repair_tail(path: Path) -> None:
 
 
 class FeatureStore:
-    """Read per-sample features from the shards (opened lazily, kept open)."""
+    """Read per-sample features from the shards, keeping the ``max_open`` most recently used
+    open. Keeping every shard open let a training process map all of them (10.9 GB resident
+    on run 5) and its steps slowed from 3 s to 7 s; a fresh process was fast again."""
 
-    def __init__(self, out_dir: str | Path):
+    def __init__(self, out_dir: str | Path, max_open: int = 8):
         self.dir = Path(out_dir) / "features"
-        self._handles: dict[str, object] = {}
+        self.max_open = max_open
+        self._handles: OrderedDict[str, object] = OrderedDict()
 
     def get(self, record: dict) -> torch.Tensor:
         shard = record["shard"]
-        if shard not in self._handles:
+        if shard in self._handles:
+            self._handles.move_to_end(shard)
+        else:
             self._handles[shard] = safe_open(str(self.dir / shard), framework="pt")
-        return self._handles[shard].get_tensor(record["id"])
+            while len(self._handles) > self.max_open:
+                self._handles.popitem(last=False)   # dropping the handle unmaps the shard
+        # a copy: nothing may point into a shard once its handle is dropped
+        return self._handles[shard].get_tensor(record["id"]).clone()
 
 
 @torch.inference_mode()

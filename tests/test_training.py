@@ -61,6 +61,17 @@ def test_data_stage_records_and_features(tiny_run):
         assert rec["input_ids"] == out[:len(rec["input_ids"])]
 
 
+def test_feature_store_keeps_few_shards_open_and_reads_the_same(tiny_run):
+    root, _ = tiny_run
+    data = root / "run" / "data"
+    records = read_samples(data)
+    assert len({r["shard"] for r in records}) >= 4
+    wide, narrow = FeatureStore(data, max_open=100), FeatureStore(data, max_open=2)
+    for rec in records + records[::-1]:
+        assert torch.equal(wide.get(rec), narrow.get(rec))
+        assert len(narrow._handles) <= 2
+
+
 def test_batched_regeneration_drops_finished_rows_exactly(tiny_run):
     """Rows that stop early leave the batch; every row still equals generation alone."""
     import dflashkit.regenerate as regen
