@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from dflashkit.bench import Record, first_difference, make_methods, markdown_table, run_bench, summarize
+from dflashkit.bench import (Record, first_difference, lossless_verdict, make_methods, markdown_table,
+                             mismatch_kind, run_bench, summarize)
 from dflashkit.drafter import config_for_target, init_drafter
 from dflashkit.sampling import SamplingConfig
 from dflashkit.suites import BenchPrompt
@@ -47,6 +48,44 @@ def test_lossless_check_flags_an_injected_mismatch():
     assert "1 MISMATCH" in markdown_table(s, ["ar", "dflash"])
     records[1].identical_to_ar_loop = False
     assert summarize(records)["s"]["dflash"]["mismatches_vs_ar_loop"] == 1
+    ok, text = lossless_verdict(records, SamplingConfig())
+    assert not ok and "LOSSLESS CHECK FAILED" in text and "s/a" in text
+
+
+def test_bf16_kernel_differences_are_told_apart_from_speculation_failures():
+    """In bf16 our plain loop may differ from HF generate (one-row kernel rounding): a dflash
+    output equal to ar-loop is then not a failure; one that differs from ar-loop always is, and
+    in fp32 any difference from ar is."""
+    def loop_run(ident_ar):
+        return rec("ar-loop", "a", 5, 0.8, ident=ident_ar)
+
+    def dflash(ident_ar, ident_loop):
+        r = rec("dflash", "a", 5, 0.5, acc=[2, 2], ident=ident_ar)
+        r.identical_to_ar_loop = ident_loop
+        r.first_diff = None if ident_ar else 3
+        return r
+
+    same_as_loop = dflash(False, True)
+    assert mismatch_kind(same_as_loop, bf16=True) == "kernel"
+    assert mismatch_kind(same_as_loop, bf16=False) == "failure"
+    assert mismatch_kind(dflash(False, False), bf16=True) == "failure"
+    assert mismatch_kind(dflash(True, False), bf16=True) == "failure"   # equal to ar by luck only
+    assert mismatch_kind(loop_run(False), bf16=True) == "kernel"
+    assert mismatch_kind(loop_run(False), bf16=False) == "failure"
+    assert mismatch_kind(rec("prompt-lookup", "a", 5, 0.5, ident=False), bf16=True) == "failure"
+    assert mismatch_kind(dflash(True, True), bf16=True) is None
+
+    records = [rec("ar", "a", 5, 1.0), loop_run(False), same_as_loop]
+    s = summarize(records, bf16=True)["s"]
+    assert s["dflash"]["mismatches"] == 0 and s["dflash"]["kernel_differences"] == 1
+    assert "MISMATCH" not in markdown_table({"s": s}, ["ar", "ar-loop", "dflash"])
+    ok, text = lossless_verdict(records, SamplingConfig(), bf16=True)
+    assert ok and "Speculation lossless" in text and "2 outputs of our loop" in text
+    ok, text = lossless_verdict(records, SamplingConfig(), bf16=False)
+    assert not ok and "LOSSLESS CHECK FAILED" in text
+    records[2] = dflash(False, False)
+    ok, text = lossless_verdict(records, SamplingConfig(), bf16=True)
+    assert not ok and "LOSSLESS CHECK FAILED" in text
 
 
 def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
@@ -128,6 +167,11 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
         with pytest.raises(ValueError, match="different configuration"):   # drafter retrained in place
             run_bench(target, methods, ["humaneval"], 4, 6, SamplingConfig(), 0, tmp_path,
                       {"target": "tiny", "drafter_sha256": "another"}, progress=False)
+        env = json.loads((tmp_path / "environment.json").read_text())
+        assert report["environment"] == env          # the machine of the first start, kept
+        (tmp_path / "environment.json").write_text(json.dumps({**env, "torch_threads": 99}))
+        with pytest.raises(ValueError, match="99 torch threads"):   # timings would not compare
+            run_bench(*args, progress=False)
         calls.update(n=0)
         run_bench(*args, progress=False, fresh=True)
         assert calls["n"] == 8
