@@ -305,8 +305,6 @@ def speculative_generate(
         t = time.perf_counter()
         block = torch.tensor([[committed[-1]] + proposals], device=device)
         out = target.forward(block, s, cache, capture)
-        if policy is not None:
-            policy.observe_costs(block.shape[1], time.perf_counter() - t, draft_s)
         logits = out.logits[0]
         if sampling.greedy:
             a, nxt = _accept_greedy(proposals, logits)
@@ -314,6 +312,8 @@ def speculative_generate(
             a, nxt = _accept_rejection(proposals, draft_probs, logits, sampling, generator)
         else:
             a, nxt = _accept_match(proposals, logits, sampling, generator)
+        if policy is not None:   # the acceptance's per-row work (argmax over the vocabulary) counts
+            policy.observe_costs(block.shape[1], time.perf_counter() - t, draft_s)
         new = proposals[:a] + [nxt]
         for k in range(n_draft):
             stats.slot_drafted[k] += 1
