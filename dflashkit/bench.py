@@ -262,6 +262,9 @@ def lossless_verdict(records: list[Record], sampling, bf16: bool = False) -> tup
             f"{r.first_diff}" + ("" if _ours(r.method) or r.method == "ar-loop" else
                                  " (a Hugging Face method: its reference is `ar`)")
             for r in failures) + ".")
+        if bf16 and not any(r.method == "ar-loop" for r in records):
+            lines.append("In bf16 our loop may differ from `ar` by kernel rounding alone: add `ar-loop` "
+                         "to --methods to tell that apart from a speculation failure.")
     else:
         lines.append("Speculation lossless: every `dflash` output is identical to `ar-loop`, plain "
                      "one-token decoding on the same kernels.")

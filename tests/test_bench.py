@@ -85,7 +85,9 @@ def test_bf16_kernel_differences_are_told_apart_from_speculation_failures():
     assert not ok and "LOSSLESS CHECK FAILED" in text
     records[2] = dflash(False, False)
     ok, text = lossless_verdict(records, SamplingConfig(), bf16=True)
-    assert not ok and "LOSSLESS CHECK FAILED" in text
+    assert not ok and "LOSSLESS CHECK FAILED" in text and "add `ar-loop`" not in text
+    ok, text = lossless_verdict([records[0], dflash(False, None)], SamplingConfig(), bf16=True)
+    assert not ok and "add `ar-loop`" in text        # no plain loop ran: cannot tell them apart
 
 
 def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
