@@ -10,7 +10,8 @@ Prints tokens/s per prompt, the mean, the median ratio to fixed block 4, and the
 each policy learned. No HF generate here: this isolates the policy from the bench's method
 order.
 """
-import time, statistics as st, torch
+import statistics as st
+
 from dflashkit.target import load_target
 from dflashkit.checkpoint import load_drafter
 from dflashkit.decoding import speculative_generate, DFlashProposer

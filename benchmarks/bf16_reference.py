@@ -15,16 +15,15 @@ import argparse
 import torch
 
 from dflashkit import baselines
+from dflashkit.bench import first_difference
 from dflashkit.decoding import speculative_generate
 from dflashkit.suites import load_suite
 from dflashkit.target import load_target
 
 
-def first_difference(a: list[int], b: list[int]) -> str:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return str(i)
-    return "-" if len(a) == len(b) else str(min(len(a), len(b)))
+def shown_difference(a: list[int], b: list[int]) -> str:
+    i = first_difference(a, b)
+    return "-" if i is None else str(i)
 
 
 def hf_generate(target, ids: list[int], n: int, batch: int) -> list[int]:
@@ -39,14 +38,7 @@ def hf_generate(target, ids: list[int], n: int, batch: int) -> list[int]:
     rows = out[:, len(ids):].tolist()
     if any(r != rows[0] for r in rows):
         print("  (the rows of one batch disagree with each other)")
-    return _cut(rows[0], target.stop_token_ids())
-
-
-def _cut(tokens: list[int], stops: list[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in stops:
-            return tokens[:i + 1]
-    return tokens
+    return baselines.cut_at_stop(rows[0], target.stop_token_ids())
 
 
 def main():
@@ -75,7 +67,7 @@ def main():
         torch.set_num_threads(1)
         runs.append(speculative_generate(target, None, ids, args.max_new_tokens, block_size=1).tokens)
         torch.set_num_threads(2)
-        diffs = [first_difference(ref, r) for r in runs]
+        diffs = [shown_difference(ref, r) for r in runs]
         counts = [c + (d != "-") for c, d in zip(counts, diffs)]
         print(f"| {p.id} | " + " | ".join(diffs) + " |", flush=True)
     print(f"| differ (of {len(prompts)}) | " + " | ".join(str(c) for c in counts) + " |")

@@ -39,6 +39,15 @@ class _FirstTokenClock(BaseStreamer):
         pass
 
 
+def cut_at_stop(tokens: list[int], stops: list[int]) -> list[int]:
+    """Tokens up to and including the first stop id (generate pads after EOS only in batches;
+    be exact anyway)."""
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[:i + 1]
+    return tokens
+
+
 @torch.inference_mode()
 def hf_generate(target: Target, input_ids: list[int], max_new_tokens: int,
                 sampling: SamplingConfig | None = None,
@@ -61,10 +70,6 @@ def hf_generate(target: Target, input_ids: list[int], max_new_tokens: int,
                                     eos_token_id=stops or None, pad_token_id=target.pad_token_id() or 0,
                                     streamer=clock, **kwargs, **generate_kwargs)
         end = time.perf_counter()
-    tokens = out[0, len(input_ids):].tolist()
-    for i, t in enumerate(tokens):  # generate pads after EOS only in batches; be exact anyway
-        if t in stops:
-            tokens = tokens[:i + 1]
-            break
+    tokens = cut_at_stop(out[0, len(input_ids):].tolist(), stops)
     first = clock.first_token_at or end
     return BaselineResult(tokens=tokens, prefill_s=first - t0, decode_s=end - first)

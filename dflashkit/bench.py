@@ -182,10 +182,6 @@ def _pooled_speedup(runs: list[Record], bases: list[Record | None]) -> float | N
     return (b_sec / b_tok) / (sec / tok) if tok and sec and b_tok and b_sec else None
 
 
-def _ours(method: str) -> bool:
-    return method == "ar-loop" or method.startswith("dflash")
-
-
 def mismatch_kind(r: Record, bf16: bool) -> str | None:
     """None (identical to ``ar`` or not checked), "kernel" or "failure".
 
@@ -195,16 +191,13 @@ def mismatch_kind(r: Record, bf16: bool) -> str | None:
     packed one (README, bf16), so ``ar-loop`` may differ from ``ar`` with no speculation
     involved; a dflash output identical to ``ar-loop`` then differs from ``ar`` the same way.
     """
-    if r.method == "ar":
+    dflash = r.method.startswith("dflash")
+    if dflash and r.identical_to_ar_loop is False:
+        return "failure"
+    if r.method == "ar" or r.identical_to_ar is not False:
         return None
-    if r.method.startswith("dflash") and r.identical_to_ar_loop is not None:
-        if not r.identical_to_ar_loop:
-            return "failure"
-        return "kernel" if r.identical_to_ar is False and bf16 else (
-            "failure" if r.identical_to_ar is False else None)
-    if r.identical_to_ar is not False:
-        return None
-    return "kernel" if bf16 and r.method == "ar-loop" else "failure"
+    shares_loop_rounding = r.method == "ar-loop" or (dflash and r.identical_to_ar_loop)
+    return "kernel" if bf16 and shares_loop_rounding else "failure"
 
 
 def summarize(records: list[Record], bf16: bool = False) -> dict:
@@ -259,7 +252,7 @@ def lossless_verdict(records: list[Record], sampling, bf16: bool = False) -> tup
     elif failures:
         lines.append("**LOSSLESS CHECK FAILED**: " + "; ".join(
             f"`{r.method}` differs on {r.suite}/{r.prompt_id} turn {r.turn} at generated position "
-            f"{r.first_diff}" + ("" if _ours(r.method) or r.method == "ar-loop" else
+            f"{r.first_diff}" + ("" if r.method == "ar-loop" or r.method.startswith("dflash") else
                                  " (a Hugging Face method: its reference is `ar`)")
             for r in failures) + ".")
         if bf16 and not any(r.method == "ar-loop" for r in records):
