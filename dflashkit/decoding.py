@@ -51,6 +51,7 @@ class DFlashProposer:
         self.target = target
         self.feature_layers = drafter.target_layer_ids
         self.cache: ContextCache | None = None
+        self.last_logits: torch.Tensor | None = None
         # The drafter's LM head: the target's, restricted to the draft vocabulary if it has one.
         head = target.lm_head.weight
         self.vocab = drafter.draft_vocab
@@ -78,6 +79,7 @@ class DFlashProposer:
             block_positions=torch.arange(s, s + width + 1, device=device)[None],
             cache=cache)
         logits = hidden[0, 1:num_slots + 1] @ self.head.T
+        self.last_logits = logits   # over the draft vocabulary; kept for analysis scripts
         if self.vocab is not None and not sampling.greedy:
             full = logits.new_full((logits.shape[0], self.target.num_embeddings), float("-inf"))
             logits = full.index_copy_(1, self.vocab, logits)
