@@ -171,11 +171,17 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import make_methods, run_bench
+    from .bench import make_methods, report_from_folder, run_bench
     from .checkpoint import drafter_digest, load_drafter
     from .sampling import SamplingConfig
     from .suites import STAND_INS
     from .target import load_target
+    if args.report_only:
+        report = report_from_folder(args.out)
+        print((args.out / "report.md").read_text())
+        return 0 if report["lossless"] else 3
+    if not args.target:
+        raise ValueError("bench needs --target NAME (or --report-only to redraw the report in --out)")
     suites = [x.strip() for x in args.suites.split(",") if x.strip()]
     bad = [x for x in suites if x not in STAND_INS]
     if bad:
@@ -302,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", help="acceptance and speedup on standard suites, all methods")
-    bench.add_argument("--target", required=True, help="model name or local Hugging Face folder")
+    bench.add_argument("--target", help="model name or local Hugging Face folder (required)")
     bench.add_argument("--drafter", type=Path, help="default: the shipped drafter of the target")
     bench.add_argument("--suites", default="humaneval,mtbench,gsm,math,chat,zh",
                        help="comma-separated (default: all six)")
@@ -327,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default bench-out)")
     bench.add_argument("--fresh", action="store_true",
                        help="start over instead of resuming the run already in --out")
+    bench.add_argument("--report-only", action="store_true",
+                       help="run nothing: redraw report.md, summary.json and the plots from the "
+                            "records in --out (a run in progress or interrupted is marked partial)")
     bench.set_defaults(func=cmd_bench)
 
     from .export import add_export_parsers

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflashkit.bench import (Record, first_difference, lossless_verdict, make_methods, markdown_table,
-                             mismatch_kind, run_bench, summarize)
+                             mismatch_kind, report_from_folder, run_bench, summarize)
 from dflashkit.drafter import config_for_target, init_drafter
 from dflashkit.sampling import SamplingConfig
 from dflashkit.suites import BenchPrompt
@@ -72,7 +72,9 @@ def test_bf16_kernel_differences_are_told_apart_from_speculation_failures():
     assert mismatch_kind(dflash(True, False), bf16=True) == "failure"   # equal to ar by luck only
     assert mismatch_kind(loop_run(False), bf16=True) == "kernel"
     assert mismatch_kind(loop_run(False), bf16=False) == "failure"
-    assert mismatch_kind(rec("prompt-lookup", "a", 5, 0.5, ident=False), bf16=True) == "failure"
+    lookup = rec("prompt-lookup", "a", 5, 0.5, ident=False)   # HF's multi-row default kernels
+    assert mismatch_kind(lookup, bf16=True) == "kernel"
+    assert mismatch_kind(lookup, bf16=False) == "failure"
     assert mismatch_kind(dflash(True, True), bf16=True) is None
 
     records = [rec("ar", "a", 5, 1.0), loop_run(False), same_as_loop]
@@ -81,6 +83,9 @@ def test_bf16_kernel_differences_are_told_apart_from_speculation_failures():
     assert "MISMATCH" not in markdown_table({"s": s}, ["ar", "ar-loop", "dflash"])
     ok, text = lossless_verdict(records, SamplingConfig(), bf16=True)
     assert ok and "Speculation lossless" in text and "2 outputs of our loop" in text
+    lookup.first_diff = 4
+    ok, text = lossless_verdict(records + [lookup], SamplingConfig(), bf16=True)
+    assert ok and "1 outputs of Hugging Face's own" in text and "`prompt-lookup` on s/a turn 0 at position 4" in text
     ok, text = lossless_verdict(records, SamplingConfig(), bf16=False)
     assert not ok and "LOSSLESS CHECK FAILED" in text
     records[2] = dflash(False, False)
@@ -157,12 +162,17 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
         assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 5
         with open(tmp_path / "records.jsonl", "a") as f:
             f.write('{"suite": "humaneval", "prom')           # a torn line from the kill
+        partial = report_from_folder(tmp_path)                 # the report of the run so far
+        assert (partial["records"], partial["expected_records"]) == (5, 8)
+        assert partial["summary"]["humaneval"]["ar"]["prompts"] == 3
+        assert "Partial run: 5 of 8 method runs" in (tmp_path / "report.md").read_text()
         calls.update(n=0, limit=100)
         report = run_bench(*args, progress=False)
         assert calls["n"] == 3                                  # only the 3 missing runs
         lines = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
         assert len(lines) == 8 and len({(x["prompt_id"], x["method"]) for x in lines}) == 8
         assert report["lossless"] and report["summary"]["humaneval"]["ar"]["prompts"] == 4
+        assert "Partial" not in (tmp_path / "report.md").read_text()
         with pytest.raises(ValueError, match="different configuration"):
             run_bench(target, methods, ["humaneval"], 4, 7, SamplingConfig(), 0, tmp_path,
                       {"target": "tiny"}, progress=False)
