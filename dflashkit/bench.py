@@ -314,6 +314,30 @@ def markdown_table(summary: dict, methods: list[str]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def details_tables(summary: dict, methods: list[str]) -> str:
+    """Per suite, one row per method: every metric of the summary but the histogram (plotted)."""
+    out = []
+    for suite, per in summary.items():
+        out.append(f"### {suite}\n\n| method | runs | tokens | decode tok/s | TTFT s (median) | "
+                   f"speedup vs ar, pooled | per prompt: median (p10-p90) | vs ar-loop | tau | "
+                   f"P(accept) slots 1-4 |\n|---|---|---|---|---|---|---|---|---|---|")
+        for m in methods:
+            e = per.get(m)
+            if not e:
+                continue
+            spread = e.get("speedup_per_prompt")
+            cells = [m, str(e["prompts"]), str(e["tokens"]), f"{e['decode_tokens_per_s']:.1f}",
+                     f"{e['ttft_s_median']:.2f}",
+                     f"{e['speedup_vs_ar']:.2f}x" if e.get("speedup_vs_ar") else "-",
+                     f"{spread['median']:.2f}x ({spread['p10']:.2f}-{spread['p90']:.2f})" if spread else "-",
+                     f"{e['speedup_vs_ar_loop']:.2f}x" if e.get("speedup_vs_ar_loop") else "-",
+                     f"{e['tau']:.2f}" if "tau" in e else "-",
+                     " / ".join(f"{a:.2f}" for a in e["slot_acceptance"][:4]) if e.get("slot_acceptance") else "-"]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def plot(summary: dict, methods: list[str], out: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -519,7 +543,12 @@ def write_report(out_dir: Path, records: list[Record], run: dict, config: dict, 
           f"speedup over `ar` (Hugging Face generate) and, in brackets, over `ar-loop` (our own "
           f"plain loop on the same execution path: what speculation itself buys).\n\n{table}\n"
           + verdict
-          + "\nStand-ins:\n" + "".join(f"- `{s}`: {STAND_INS[s]}\n" for s in suites))
+          + "\nStand-ins:\n" + "".join(f"- `{s}`: {STAND_INS[s]}\n" for s in suites)
+          + "\n## Per suite\n\nA run is one prompt turn of one method (MT-Bench has two turns). TTFT: "
+            "prefill and first token. Per-slot acceptance: P(draft slot k accepted | drafted). "
+            "Plots: `speedup.png`, `acceptance.png` (per-slot acceptance and acceptance-length "
+            "histogram of the first dflash method); every record in `records.jsonl`.\n\n"
+          + details_tables(summary, names))
     (out_dir / "report.md").write_text(md)
     plot(summary, names, out_dir)
     return report

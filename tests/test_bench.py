@@ -126,7 +126,9 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
     assert "tau" in report["summary"]["mtbench"]["dflash:auto"]
     checked = [json.loads(x) for x in lines if json.loads(x)["method"] not in ("ar", "ar-loop")]
     assert all(r["identical_to_ar_loop"] is True for r in checked)
-    assert "15 of 15 outputs identical" in (tmp_path / "report.md").read_text()
+    md = (tmp_path / "report.md").read_text()
+    assert "15 of 15 outputs identical" in md
+    assert "### mtbench" in md and "| dflash:auto | 2 |" in md and "TTFT" in md   # both turns counted
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
         make_methods(["ar", "dflash:zero"], target, drafter)
 
