@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflashkit import baselines
-from dflashkit.bench import first_difference
+from dflashkit.report import first_difference
 from dflashkit.checkpoint import load_drafter
 from dflashkit.decoding import DFlashProposer, speculative_generate
 from dflashkit.fastpath import FusedGateUpMLP

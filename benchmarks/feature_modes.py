@@ -51,7 +51,7 @@ def main():
     meta = json.loads((cfg.data_dir / "meta.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
         results = [run(cfg, mode, args.steps, Path(tmp)) for mode in ("stored", "online")]
-    print(f"| features | s/step (median) | tokens/s (median) | set-up s | extra storage or memory |")
+    print("| features | s/step (median) | tokens/s (median) | set-up s | extra storage or memory |")
     print("|---|---|---|---|---|")
     for r in results:
         extra = (f"{meta['feature_bytes_per_token']:.0f} B/token on disk "

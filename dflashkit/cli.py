@@ -171,7 +171,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import make_methods, report_from_folder, run_bench
+    from .bench import make_methods, run_bench
+    from .report import report_from_folder
     from .checkpoint import drafter_digest, load_drafter
     from .sampling import SamplingConfig
     from .suites import STAND_INS

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from dflashkit.bench import (Record, first_difference, lossless_verdict, make_methods, markdown_table,
-                             mismatch_kind, report_from_folder, run_bench, summarize)
+from dflashkit.bench import make_methods, run_bench
+from dflashkit.report import (Record, first_difference, lossless_verdict, markdown_table, mismatch_kind,
+                              report_from_folder, summarize)
 from dflashkit.drafter import config_for_target, init_drafter
 from dflashkit.sampling import SamplingConfig
 from dflashkit.suites import BenchPrompt
@@ -158,6 +159,7 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
                    lambda self, msgs, chat=True: [3 + (ord(c) % 80) for m in msgs for c in m["content"]])
         mp.setattr(type(target), "decode", lambda self, ids: "x" * len(ids))
         mp.setattr("dflashkit.bench.load_suite", lambda s, n, seed: prompts)
+        mp.setattr("dflashkit.report.load_suite", lambda s, n, seed: prompts)
         args = (target, methods, ["humaneval"], 4, 6, SamplingConfig(), 0, tmp_path, {"target": "tiny"})
         with pytest.raises(KeyboardInterrupt):
             run_bench(*args, progress=False)

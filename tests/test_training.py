@@ -46,7 +46,6 @@ def test_data_stage_records_and_features(tiny_run):
     meta = json.loads((data / "meta.json").read_text())
     assert len(records) == 20 == meta["num_samples"] and meta["feature_bytes_per_token"] > 0
     store = FeatureStore(data)
-    finished = 0
     for rec in records:   # batches of 4 with rows of different lengths leaving early
         f = store.get(rec)
         assert f.shape == (len(rec["input_ids"]) - 1, len(LAYERS) * target.hidden_size)

@@ -1,0 +1,340 @@
+"""What a bench run's records mean: tau, pooled speedup with its spread, the losslessness
+verdict, and the report written from them (summary.json, report.md, plots).
+
+Speedup is pooled per suite: (sum of ar decode time / ar tokens) divided by (sum of method
+decode time / method tokens), with the per-prompt spread beside it. Greedy outputs are
+checked against their exact reference token by token (``mismatch_kind``); a mismatch is
+reported loudly with the prompt and the first differing position. Everything here reads
+records only, so a report can be redrawn from ``records.jsonl`` without running a model.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoint import atomic_write
+from .sampling import SamplingConfig
+from .suites import STAND_INS, load_suite
+
+
+@dataclass
+class Record:
+    suite: str
+    prompt_id: str
+    turn: int
+    method: str
+    num_tokens: int
+    prefill_s: float
+    decode_s: float
+    tokens: list[int]
+    acceptance_lengths: list[int] | None = None
+    slot_accepted: list[int] | None = None
+    slot_drafted: list[int] | None = None
+    identical_to_ar: bool | None = None
+    first_diff: int | None = None
+    # Our own plain loop on the same execution path: the exact reference of the bf16 path,
+    # where HF generate's one-token kernel rounds differently (fastpath.py).
+    identical_to_ar_loop: bool | None = None
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(0, self.num_tokens - 1)
+
+    @property
+    def tau(self) -> float | None:
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else None
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _pooled_speedup(runs: list[Record], bases: list[Record | None]) -> float | None:
+    """(base seconds per decode token) / (method seconds per decode token), pooled over the
+    prompts both ran."""
+    pairs = [(r, b) for r, b in zip(runs, bases) if b is not None]
+    tok, sec = sum(r.decode_tokens for r, _ in pairs), sum(r.decode_s for r, _ in pairs)
+    b_tok, b_sec = sum(b.decode_tokens for _, b in pairs), sum(b.decode_s for _, b in pairs)
+    return (b_sec / b_tok) / (sec / tok) if tok and sec and b_tok and b_sec else None
+
+
+def _ours(method: str) -> bool:
+    return method == "ar-loop" or method.startswith("dflash")
+
+
+def mismatch_kind(r: Record, bf16: bool) -> str | None:
+    """None (identical to ``ar`` or not checked), "kernel" or "failure".
+
+    The exact reference of a method is plain one-token decoding on its own kernels: ``ar`` for
+    Hugging Face's methods, ``ar-loop`` for ours. In fp32 every kernel agrees, so every method
+    must equal ``ar``. In bf16 rounding depends on the kernel and on how many rows it is handed
+    (README, bf16): ``ar-loop`` (packed oneDNN) may differ from ``ar`` with no speculation
+    involved, and a dflash output identical to ``ar-loop`` then differs from ``ar`` the same
+    way; HF's own speculative methods verify several rows per pass with PyTorch's default
+    kernels, whose multi-row bf16 results differ from the one-row steps of ``ar``. Those are
+    "kernel"; a dflash output that differs from ``ar-loop`` is always a failure.
+    """
+    dflash = r.method.startswith("dflash")
+    if dflash and r.identical_to_ar_loop is False:
+        return "failure"
+    if r.method == "ar" or r.identical_to_ar is not False:
+        return None
+    if not bf16:
+        return "failure"
+    shares_loop_rounding = r.method == "ar-loop" or (dflash and r.identical_to_ar_loop)
+    return "kernel" if shares_loop_rounding or not _ours(r.method) else "failure"
+
+
+def summarize(records: list[Record], bf16: bool = False) -> dict:
+    """Per suite x method: tokens/s, pooled speedup over ar with spread, tau, slots, histogram.
+    ``bf16``: our loop may differ from HF generate by kernel rounding (see mismatch_kind)."""
+    out: dict = {}
+    keys = sorted({(r.suite, r.method) for r in records})
+    by_prompt = {(r.suite, r.prompt_id, r.turn, r.method): r for r in records}
+    for suite, method in keys:
+        rs = [r for r in records if r.suite == suite and r.method == method]
+        ar = [by_prompt.get((r.suite, r.prompt_id, r.turn, "ar")) for r in rs]
+        tok = sum(r.decode_tokens for r in rs)
+        sec = sum(r.decode_s for r in rs)
+        per_prompt = [(a.decode_s / a.decode_tokens) / (r.decode_s / r.decode_tokens)
+                      for r, a in zip(rs, ar) if a and r.decode_tokens and a.decode_tokens and r.decode_s > 0]
+        entry = {
+            "prompts": len(rs), "tokens": sum(r.num_tokens for r in rs),
+            "decode_tokens_per_s": tok / sec if sec > 0 else 0.0,
+            "ttft_s_median": statistics.median([r.prefill_s for r in rs]),
+            "speedup_vs_ar": _pooled_speedup(rs, ar),
+            # what speculation itself buys: our plain loop on the same execution path
+            "speedup_vs_ar_loop": _pooled_speedup(
+                rs, [by_prompt.get((r.suite, r.prompt_id, r.turn, "ar-loop")) for r in rs]),
+            "speedup_per_prompt": {"median": _percentile(per_prompt, 0.5), "p10": _percentile(per_prompt, 0.1),
+                                   "p90": _percentile(per_prompt, 0.9)} if per_prompt else None,
+            "mismatches": sum(1 for r in rs if mismatch_kind(r, bf16) == "failure"),
+            "kernel_differences": sum(1 for r in rs if mismatch_kind(r, bf16) == "kernel"),
+            "mismatches_vs_ar_loop": sum(1 for r in rs if r.identical_to_ar_loop is False),
+        }
+        taus = [r.tau for r in rs if r.tau is not None]
+        if taus:
+            entry["tau"] = sum(taus) / len(taus)
+            acc = [sum(x) for x in zip(*[r.slot_accepted for r in rs if r.slot_accepted])]
+            dra = [sum(x) for x in zip(*[r.slot_drafted for r in rs if r.slot_drafted])]
+            entry["slot_acceptance"] = [a / d if d else 0.0 for a, d in zip(acc, dra)]
+            lengths = [x for r in rs for x in (r.acceptance_lengths or [])]
+            entry["acceptance_histogram"] = {str(k): lengths.count(k) for k in range(1, max(lengths) + 1)}
+        out.setdefault(suite, {})[method] = entry
+    return out
+
+
+def lossless_verdict(records: list[Record], sampling, bf16: bool = False) -> tuple[bool, str]:
+    """(no output changed by speculation or by our kernels, the report's paragraph on it)."""
+    if not sampling.greedy:
+        return True, ""
+    kinds = [(r, mismatch_kind(r, bf16)) for r in records]
+    failures = [r for r, k in kinds if k == "failure"]
+    kernel = [r for r, k in kinds if k == "kernel"]
+    lines = []
+    if not failures and not kernel:
+        lines.append("Lossless: every greedy output identical to `ar`.")
+    elif failures:
+        lines.append("**LOSSLESS CHECK FAILED**: " + "; ".join(
+            f"`{r.method}` differs on {r.suite}/{r.prompt_id} turn {r.turn} at generated position "
+            f"{r.first_diff}" + ("" if _ours(r.method) else " (a Hugging Face method: its reference is `ar`)")
+            for r in failures) + ".")
+        if bf16 and not any(r.method == "ar-loop" for r in records):
+            lines.append("In bf16 our loop may differ from `ar` by kernel rounding alone: add `ar-loop` "
+                         "to --methods to tell that apart from a speculation failure.")
+    else:
+        lines.append("Speculation lossless: every `dflash` output is identical to `ar-loop`, plain "
+                     "one-token decoding on the same kernels.")
+    ours = [r for r in kernel if _ours(r.method)]
+    if ours:
+        loops = sum(1 for r in ours if r.method == "ar-loop")
+        lines.append(f"{len(ours)} outputs of our loop ({loops} of them `ar-loop` itself, no "
+                     f"speculation) differ from `ar` (HF generate) in bf16, and each dflash one "
+                     f"equals `ar-loop`: PyTorch's one-row bf16 kernel rounds differently from "
+                     f"oneDNN's packed one, so where two logits tie the paths can pick different "
+                     f"tokens (README, bf16). In fp32 every path must equal `ar`.")
+    theirs = [r for r in kernel if not _ours(r.method)]
+    if theirs:
+        lines.append(f"{len(theirs)} outputs of Hugging Face's own speculative methods differ from "
+                     f"`ar` in bf16: they verify several tokens per pass with PyTorch's default "
+                     f"kernels, whose multi-row bf16 results round differently from `ar`'s one-token "
+                     f"steps (README, bf16); not a failure of dflashkit, and in fp32 they must equal "
+                     f"`ar`: " + "; ".join(f"`{r.method}` on {r.suite}/{r.prompt_id} turn {r.turn} at "
+                                           f"position {r.first_diff}" for r in theirs) + ".")
+    checked = [r for r in records if r.identical_to_ar_loop is not None]
+    if checked:
+        bad = sum(1 for r in checked if not r.identical_to_ar_loop)
+        lines.append(f"Against `ar-loop`: {len(checked) - bad} of {len(checked)} outputs identical.")
+    return not failures, "\n\n".join(lines) + "\n"
+
+
+def markdown_table(summary: dict, methods: list[str]) -> str:
+    head = "| suite | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods) + "\n"
+    rows = []
+    for suite, per in summary.items():
+        cells = []
+        for m in methods:
+            e = per.get(m)
+            if not e:
+                cells.append("-")
+                continue
+            tau = f"tau {e['tau']:.2f}, " if "tau" in e else ""
+            sp = f"{e['speedup_vs_ar']:.2f}x" if e.get("speedup_vs_ar") else "-"
+            if e.get("speedup_vs_ar_loop") and m not in ("ar", "ar-loop"):
+                sp += f" ({e['speedup_vs_ar_loop']:.2f}x vs ar-loop)"
+            bad = f" **{e['mismatches']} MISMATCH**" if e["mismatches"] else ""
+            if e.get("kernel_differences"):
+                bad += f" ({e['kernel_differences']} differ from ar by kernel rounding)"
+            cells.append(f"{tau}{e['decode_tokens_per_s']:.1f} tok/s, {sp}{bad}")
+        rows.append(f"| {suite} | " + " | ".join(cells) + " |")
+    return head + "\n".join(rows) + "\n"
+
+
+def details_tables(summary: dict, methods: list[str]) -> str:
+    """Per suite, one row per method: every metric of the summary but the histogram (plotted)."""
+    out = []
+    for suite, per in summary.items():
+        out.append(f"### {suite}\n\n| method | runs | tokens | decode tok/s | TTFT s (median) | "
+                   f"speedup vs ar, pooled | per prompt: median (p10-p90) | vs ar-loop | tau | "
+                   f"P(accept) slots 1-4 |\n|---|---|---|---|---|---|---|---|---|---|")
+        for m in methods:
+            e = per.get(m)
+            if not e:
+                continue
+            spread = e.get("speedup_per_prompt")
+            cells = [m, str(e["prompts"]), str(e["tokens"]), f"{e['decode_tokens_per_s']:.1f}",
+                     f"{e['ttft_s_median']:.2f}",
+                     f"{e['speedup_vs_ar']:.2f}x" if e.get("speedup_vs_ar") else "-",
+                     f"{spread['median']:.2f}x ({spread['p10']:.2f}-{spread['p90']:.2f})" if spread else "-",
+                     f"{e['speedup_vs_ar_loop']:.2f}x" if e.get("speedup_vs_ar_loop") else "-",
+                     f"{e['tau']:.2f}" if "tau" in e else "-",
+                     " / ".join(f"{a:.2f}" for a in e["slot_acceptance"][:4]) if e.get("slot_acceptance") else "-"]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(summary: dict, methods: list[str], out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    suites = list(summary)
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(suites), 3.6))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        vals = [summary[s].get(m, {}).get("speedup_vs_ar") or 0 for s in suites]
+        ax.bar([j + i * width for j in range(len(suites))], vals, width, label=m)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(suites))], suites)
+    ax.set_ylabel("decode speedup over ar (pooled)")
+    ax.legend(fontsize=8)
+    save(fig, "speedup.png")
+    spec = [m for m in methods if any("slot_acceptance" in summary[s].get(m, {}) for s in suites)]
+    if spec:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+        for s in suites:
+            e = summary[s].get(spec[0], {})
+            if "slot_acceptance" in e:
+                a1.plot(range(1, len(e["slot_acceptance"]) + 1), e["slot_acceptance"], marker="o", label=s)
+                h = e["acceptance_histogram"]
+                total = sum(h.values())
+                a2.plot([int(k) for k in h], [v / total for v in h.values()], marker="o", label=s)
+        a1.set_xlabel("draft slot k")
+        a1.set_ylabel(f"P(accept slot k | drafted) [{spec[0]}]")
+        a2.set_xlabel("tokens committed per verify step")
+        a2.set_ylabel("fraction of steps")
+        a1.legend(fontsize=8)
+        save(fig, "acceptance.png")
+    return paths
+
+
+def _dtype_name(dtype: str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def write_report(out_dir: Path, records: list[Record], run: dict, config: dict, env: dict,
+                 expected: int) -> dict:
+    """summary.json, report.md and the plots of ``records``; ``run`` is the run's fingerprint
+    (run.json). ``expected`` records make the run complete; fewer are reported as partial."""
+    sampling = SamplingConfig(**run["sampling"])
+    bf16 = _dtype_name(run["dtype"]) != "float32"   # our loop may differ from HF generate (mismatch_kind)
+    summary = summarize(records, bf16)
+    names, suites = list(run["methods"]), list(run["suites"])
+    lossless, verdict = lossless_verdict(records, sampling, bf16)
+    report = {"config": config, "environment": env,
+              "stand_ins": {s: STAND_INS[s] for s in suites}, "summary": summary,
+              "lossless": lossless, "identical_to_ar": all(r.identical_to_ar is not False for r in records),
+              "records": len(records), "expected_records": expected}
+    text = json.dumps(report, indent=2)
+    atomic_write(out_dir / "summary.json", lambda tmp: Path(tmp).write_text(text))
+    table = markdown_table(summary, names)
+    max_turns = run.get("max_turns")
+    partial = "" if len(records) >= expected else (
+        f"**Partial run: {len(records)} of {expected} method runs measured so far** (rerun the same "
+        f"`dflashkit bench` command to resume; every figure below covers only the prompts done).\n\n")
+    md = (f"# dflashkit bench\n\n{partial}Target `{run.get('target')}`, drafter `{run.get('drafter')}`, "
+          f"{run['num_prompts']} prompts per suite, max {run['max_new_tokens']} new tokens, temperature "
+          f"{sampling.temperature}, seed {run['seed']}"
+          f"{f', first {max_turns} turn(s) of each prompt only' if max_turns else ''}. "
+          f"{_dtype_name(run['dtype'])} weights. {env['cpu']}, {env['torch_threads']} threads, "
+          f"torch {env['torch']}, transformers {env['transformers']}.\n\n"
+          f"Cells: tau (mean acceptance length, dflash only), decode tokens/s, pooled decode "
+          f"speedup over `ar` (Hugging Face generate) and, in brackets, over `ar-loop` (our own "
+          f"plain loop on the same execution path: what speculation itself buys).\n\n{table}\n"
+          + verdict
+          + "\nStand-ins:\n" + "".join(f"- `{s}`: {STAND_INS[s]}\n" for s in suites)
+          + "\n## Per suite\n\nA run is one prompt turn of one method (MT-Bench has two turns). TTFT: "
+            "prefill and first token. Per-slot acceptance: P(draft slot k accepted | drafted). "
+            "Plots: `speedup.png`, `acceptance.png` (per-slot acceptance and acceptance-length "
+            "histogram of the first dflash method); every record in `records.jsonl`.\n\n"
+          + details_tables(summary, names))
+    (out_dir / "report.md").write_text(md)
+    plot(summary, names, out_dir)
+    return report
+
+
+def report_from_folder(out_dir: Path) -> dict:
+    """Re-render the report of the run in ``out_dir`` from its records, running nothing: for a
+    run still in progress or interrupted (reported as partial), or to redraw the plots."""
+    run_file, env_file, log_file = out_dir / "run.json", out_dir / "environment.json", out_dir / "records.jsonl"
+    missing = [f.name for f in (run_file, env_file, log_file) if not f.exists()]
+    if missing:
+        raise ValueError(f"{out_dir} holds no bench run ({', '.join(missing)} missing): pass the "
+                         f"--out folder of a `dflashkit bench` run")
+    run = json.loads(run_file.read_text())
+    records = []
+    for line in log_file.read_text().splitlines():
+        try:
+            records.append(Record(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError):
+            break     # a torn last line: the run was killed while writing it
+    prompts = [p for s in run["suites"] for p in load_suite(s, run["num_prompts"], run["seed"])]
+    turns = sum(len(p.turns[:run["max_turns"]] if run.get("max_turns") else p.turns) for p in prompts)
+    summary_file = out_dir / "summary.json"
+    config = json.loads(summary_file.read_text()).get("config", run) if summary_file.exists() else run
+    return write_report(out_dir, records, run, config, json.loads(env_file.read_text()),
+                        expected=turns * len(run["methods"]))
