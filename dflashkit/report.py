@@ -230,6 +230,11 @@ def details_tables(summary: dict, methods: list[str]) -> str:
     return "\n".join(out)
 
 
+def drafting_methods(summary: dict, methods: list[str]) -> list[str]:
+    """Methods with a per-slot acceptance curve somewhere (ar-loop's is empty: it drafts nothing)."""
+    return [m for m in methods if any(per.get(m, {}).get("slot_acceptance") for per in summary.values())]
+
+
 def plot(summary: dict, methods: list[str], out: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -243,22 +248,23 @@ def plot(summary: dict, methods: list[str], out: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(suites), 3.6))
+    fig, ax = plt.subplots(figsize=(3.6 + 1.4 * len(suites), 3.6))
     width = 0.8 / max(1, len(methods))
     for i, m in enumerate(methods):
         vals = [summary[s].get(m, {}).get("speedup_vs_ar") or 0 for s in suites]
         ax.bar([j + i * width for j in range(len(suites))], vals, width, label=m)
+        ax.bar_label(ax.containers[-1], fmt="%.2f", fontsize=6, padding=1)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(suites))], suites)
     ax.set_ylabel("decode speedup over ar (pooled)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # outside the bars
     save(fig, "speedup.png")
-    spec = [m for m in methods if any("slot_acceptance" in summary[s].get(m, {}) for s in suites)]
+    spec = drafting_methods(summary, methods)
     if spec:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
         for s in suites:
             e = summary[s].get(spec[0], {})
-            if "slot_acceptance" in e:
+            if e.get("slot_acceptance"):
                 a1.plot(range(1, len(e["slot_acceptance"]) + 1), e["slot_acceptance"], marker="o", label=s)
                 h = e["acceptance_histogram"]
                 total = sum(h.values())

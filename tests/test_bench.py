@@ -7,7 +7,7 @@ import torch
 
 from dflashkit.bench import make_methods, run_bench
 from dflashkit.report import (Record, first_difference, lossless_verdict, markdown_table, mismatch_kind,
-                              report_from_folder, summarize)
+                              drafting_methods, report_from_folder, summarize)
 from dflashkit.drafter import config_for_target, init_drafter
 from dflashkit.sampling import SamplingConfig
 from dflashkit.suites import BenchPrompt
@@ -124,6 +124,7 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
     for name in ("summary.json", "report.md", "speedup.png", "acceptance.png"):
         assert (tmp_path / name).exists(), name
     assert "tau" in report["summary"]["mtbench"]["dflash"]
+    assert drafting_methods(report["summary"], list(methods))[0] == "dflash"   # the acceptance plot's
     assert "tau" in report["summary"]["mtbench"]["dflash:auto"]
     checked = [json.loads(x) for x in lines if json.loads(x)["method"] not in ("ar", "ar-loop")]
     assert all(r["identical_to_ar_loop"] is True for r in checked)
