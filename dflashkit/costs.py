@@ -109,6 +109,56 @@ def measure_verify_ms(target, qs: list[int], kv_length: int, capture: list[int] 
 
 
 @torch.inference_mode()
+def measure_step_verify_ms(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
+                           rounds: int = 7) -> dict[int, float]:
+    """What the decoding loop pays to verify q tokens: the target pass plus the acceptance
+    (argmax over the vocabulary per row), median over ``rounds`` rounds that each visit every
+    q once, so drift on a busy machine is spread over all q instead of landing on a few."""
+    g = torch.Generator().manual_seed(0)
+    low, vocab = min(100, target.num_embeddings // 4), min(target.num_embeddings, 20000)
+    cache = target.new_cache()
+    target.forward(torch.randint(low, vocab, (1, kv_length), generator=g), 0, cache)
+    blocks = {q: torch.randint(low, vocab, (1, q), generator=g) for q in qs}
+    times: dict[int, list[float]] = {q: [] for q in qs}
+    for r in range(rounds + 1):          # round 0 warms up
+        for q in qs:
+            t = time.perf_counter()
+            out = target.forward(blocks[q], kv_length, cache, capture=capture)
+            out.logits[0].argmax(-1).tolist()
+            elapsed = (time.perf_counter() - t) * 1e3
+            target.rollback(cache, kv_length)
+            if r:
+                times[q].append(elapsed)
+    return {q: statistics.median(v) for q, v in times.items()}
+
+
+def smooth_costs(points: dict[int, float], tolerance: float = 0.05) -> dict[int, float]:
+    """A non-decreasing curve through noisy per-q medians. A verify pass costs about a fixed
+    part plus a part per row, so the least-squares line is used when it passes within
+    ``tolerance`` of every point; a curve with a kink (a kernel switching at some q) gets
+    the isotonic fit (adjacent violators pooled) instead. Noise alone must not make q + 1
+    look cheaper than q: the policy would verify the extra row for free."""
+    qs = sorted(points)
+    ys = [points[q] for q in qs]
+    if len(qs) > 2:
+        mq, my = statistics.mean(qs), statistics.mean(ys)
+        slope = max(0.0, sum((q - mq) * (y - my) for q, y in zip(qs, ys))
+                    / sum((q - mq) ** 2 for q in qs))
+        line = [my + slope * (q - mq) for q in qs]
+        if all(abs(f - y) <= tolerance * y for f, y in zip(line, ys)):
+            return dict(zip(qs, line))
+    blocks: list[list[float]] = []      # [sum, count] of pooled runs
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return dict(zip(qs, fitted))
+
+
+@torch.inference_mode()
 def measure_draft_ms(target, drafter, kv_length: int, num_slots: int | None = None,
                      new_context: int = 2, repeats: int = 5) -> float:
     """Median time of one drafter proposal (body + LM head over the verified slots), with
@@ -140,10 +190,11 @@ class CostCurve:
     target: str
     backend: str                      # "fast" | "default"
     kv_length: int
-    verify_ms: dict[int, float]
+    verify_ms: dict[int, float]       # smoothed: what the policy uses
     draft_ms: float = 0.0
     threads: int = field(default_factory=torch.get_num_threads)
     cpu: str = field(default_factory=cpu_model)
+    measured_ms: dict[int, float] | None = None   # the raw per-q medians behind verify_ms
 
     def verify(self, q: int) -> float:
         """Cost of verifying q tokens; linear between measured points, extrapolated past the last."""
@@ -161,13 +212,17 @@ class CostCurve:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
+        for key in ("verify_ms", "measured_ms"):
+            if d.get(key) is not None:
+                d[key] = {str(k): v for k, v in d[key].items()}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "CostCurve":
         d = dict(d)
-        d["verify_ms"] = {int(k): float(v) for k, v in d["verify_ms"].items()}
+        for key in ("verify_ms", "measured_ms"):
+            if d.get(key) is not None:
+                d[key] = {int(k): float(v) for k, v in d[key].items()}
         return cls(**d)
 
 
@@ -175,18 +230,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DFLASHKIT_CACHE", Path.home() / ".cache" / "dflashkit")) / "costs"
 
 
+CURVE_VERSION = 2   # 2: interleaved rounds, acceptance included, smoothed (older curves are remeasured)
+
+
 def _cache_key(target, drafter_id: str, max_q: int, kv_length: int) -> str:
     ident = json.dumps([target.name, target.config.to_dict().get("num_hidden_layers"),
                         target.hidden_size, "fast" if target.fast_path else "default",
                         str(target.dtype), drafter_id, max_q, kv_length, torch.get_num_threads(), cpu_model(),
-                        torch.__version__])
+                        torch.__version__, CURVE_VERSION])
     return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 
 def cost_curve(target, proposer=None, max_q: int = 16, kv_length: int = 256,
-               repeats: int = 3, use_cache: bool = True, progress: bool = False) -> CostCurve:
-    """The target's verify curve for q = 1..max_q (and the drafter's pass), measured once
-    per machine/target/backend/thread count and then read from the cache folder."""
+               rounds: int = 7, use_cache: bool = True, progress: bool = False) -> CostCurve:
+    """The loop's verify curve for q = 1..max_q (smoothed, see smooth_costs) and the drafter's
+    pass, measured once per machine/target/backend/thread count and then read from the
+    cache folder."""
     kv_length = max(1, min(kv_length, target.max_positions - max_q - 1))   # small test models
     drafter_id = ""
     if proposer is not None:
@@ -202,12 +261,11 @@ def cost_curve(target, proposer=None, max_q: int = 16, kv_length: int = 256,
         print(f"measuring verify costs of {target.name} (q = 1..{max_q}, once per machine)...",
               flush=True)
     capture = proposer.feature_layers if proposer is not None else None
+    measured = measure_step_verify_ms(target, list(range(1, max_q + 1)), kv_length, capture, rounds)
     curve = CostCurve(target=target.name, backend="fast" if target.fast_path else "default",
-                      kv_length=kv_length,
-                      verify_ms=measure_verify_ms(target, list(range(1, max_q + 1)), kv_length,
-                                                  capture, repeats))
+                      kv_length=kv_length, verify_ms=smooth_costs(measured), measured_ms=measured)
     if proposer is not None:
-        curve.draft_ms = measure_draft_ms(target, proposer, kv_length, repeats=repeats)
+        curve.draft_ms = measure_draft_ms(target, proposer, kv_length, repeats=rounds)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(curve.to_json(), indent=1)))

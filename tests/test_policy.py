@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflashkit.costs import CostCurve, cost_curve
+from dflashkit.costs import CostCurve, cost_curve, measure_step_verify_ms, smooth_costs
 from dflashkit.decoding import DFlashProposer, speculative_generate
 from dflashkit.policy import AdaptiveBlockSize, OnlineCost, best_num_drafts, expected_tokens
 from tests.conftest import EOS
@@ -187,3 +187,21 @@ def test_default_and_fast_path_agree_on_tiny_model():
     x = torch.randn(1, 6, target.hidden_size)
     layer = target.layers[0].mlp.up_proj
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight))
+
+
+def test_smoothed_costs_never_make_a_row_look_free_or_cheaper():
+    noisy = {1: 71.8, 2: 76.9, 3: 75.9, 4: 76.7, 5: 72.3, 6: 73.9, 7: 73.7, 8: 74.1}   # measured here
+    line = smooth_costs({q: 70.0 + 1.5 * q + (0.8 if q % 2 else -0.8) for q in range(1, 9)})
+    assert all(line[q + 1] - line[q] == pytest.approx(1.5, abs=0.1) for q in range(1, 8))
+    kinked = {q: 70.0 + (30.0 if q > 8 else 0.0) for q in range(1, 17)}   # a kernel switch at 9
+    assert smooth_costs(kinked) == pytest.approx(kinked)
+    for points in (noisy, line, kinked):
+        fitted = smooth_costs(points)
+        assert all(fitted[q + 1] >= fitted[q] - 1e-9 for q in range(1, max(points)))
+        assert sum(fitted.values()) == pytest.approx(sum(points.values()), rel=0.02)
+
+
+def test_step_verify_costs_are_measured_for_every_q(family):
+    target, _ = cached_target(family)
+    measured = measure_step_verify_ms(target, [1, 2, 3], kv_length=8, rounds=2)
+    assert set(measured) == {1, 2, 3} and all(v > 0 for v in measured.values())
