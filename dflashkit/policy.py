@@ -28,29 +28,36 @@ from .costs import CostCurve
 
 @dataclass
 class OnlineCost:
-    """The measured curve times a correction learned from observed pass times.
+    """The measured curve corrected by two numbers fitted to every observed pass: a
+    machine-wide scale and an extra cost per verified row.
 
-    For q tokens the correction is a decayed mean of observed/curve ratios at q, with the
-    machine-wide ratio over all q as its prior (so a q never tried is scaled like the rest,
-    not believed cheaper because only its neighbours were seen to slow down); that one has 1
-    (the curve) as its prior. Priors and observations decay alike, so old evidence fades
-    as the context grows or the load moves, and enough observations outweigh any prior.
+    The scale is a decayed mean of observed/curve ratios (1, the curve, as its prior); the
+    extra per-row cost is a decayed ridge regression of those ratios on the rows verified, and
+    it is never negative. Pooling all passes into two numbers is what keeps the choice steady on
+    a noisy machine: a separate correction per q lets whichever q happened to get a fast pass
+    look cheapest, and the loop drifts to verifying more rows than pay (simulated in
+    tests/test_policy.py). A negative extra cost is noise by construction, since the curve was
+    timed on an idle machine at the shortest context the loop sees: load scales every pass,
+    and a longer context only adds per-row attention work.
     """
 
     curve: CostCurve
-    prior_weight: float = 4.0     # pseudo-observations behind the machine-wide ratio's prior
-    q_prior_weight: float = 1.0   # ... behind each q's prior (the machine-wide ratio)
+    prior_weight: float = 4.0     # pseudo-observations behind the scale's prior
     decay: float = 0.95           # weight left to an observation after each newer one
-    _per_q: dict[int, list[float]] = field(default_factory=dict)   # q -> [sum, weight, prior weight]
-    _all: list[float] = field(default_factory=list)
+    slope_prior: float = 5.0      # pseudo-observations one row apart behind "no extra cost"
+    slope_decay: float = 0.995    # the slope needs a longer memory: most passes share one q
+    _scale: list[float] = field(default_factory=list)    # [sum, weight, prior weight]
+    _where: list[float] = field(default_factory=list)    # the x the scale was fitted at
     _draft: list[float] = field(default_factory=list)
+    _fit: list[float] = field(default_factory=lambda: [0.0] * 5)   # decayed w, Sx, Sy, Sxx, Sxy
 
     def __post_init__(self):
-        self._all = self._all or self._fresh()
+        self._scale = self._scale or self._fresh()
+        self._where = self._where or [0.0, 0.0, 0.0]
         self._draft = self._draft or self._fresh()
 
-    def _fresh(self, weight: float | None = None) -> list[float]:
-        return [0.0, 0.0, self.prior_weight if weight is None else weight]
+    def _fresh(self) -> list[float]:
+        return [0.0, 0.0, self.prior_weight]
 
     def _add(self, acc: list[float], value: float) -> None:
         acc[0] = acc[0] * self.decay + value
@@ -61,26 +68,38 @@ class OnlineCost:
     def _mean(acc: list[float], prior: float) -> float:
         return (acc[2] * prior + acc[0]) / (acc[2] + acc[1])
 
+    def _rows(self, q: int) -> float:
+        """The regressor: extra rows over the curve's cost, so the slope is in ms per row."""
+        return (q - 1) / self.curve.verify(q)
+
     def observe_verify(self, tokens: int, ms: float) -> None:
         if tokens < 1 or not ms > 0:
             return
-        ratio = ms / self.curve.verify(tokens)
-        if tokens not in self._per_q:
-            self._per_q[tokens] = self._fresh(self.q_prior_weight)
-        self._add(self._per_q[tokens], ratio)
-        self._add(self._all, ratio)
+        x, y = self._rows(tokens), ms / self.curve.verify(tokens)
+        self._fit = [a * self.slope_decay + v for a, v in zip(self._fit, (1.0, x, y, x * x, x * y))]
+        self._add(self._scale, y)
+        self._add(self._where, x)
 
     def observe_draft(self, ms: float) -> None:
         if ms > 0:
             self._add(self._draft, ms)
 
     def machine_ratio(self) -> float:
-        return self._mean(self._all, 1.0)
+        return self._mean(self._scale, 1.0)
+
+    def extra_ms_per_row(self) -> float:
+        w, sx, sy, sxx, sxy = self._fit
+        if w <= 0:
+            return 0.0
+        one_row = self._rows(2)
+        slope = (sxy - sx * sy / w) / (sxx - sx * sx / w + self.slope_prior * one_row ** 2 / 2)
+        return max(slope, 0.0)
 
     def verify(self, q: int) -> float:
-        g = self.machine_ratio()
-        acc = self._per_q.get(q)
-        return self.curve.verify(q) * (self._mean(acc, g) if acc else g)
+        x_sum, weight = self._where[0], self._where[1]    # the scale holds where the recent
+        centre = x_sum / weight if weight else 0.0       # passes were
+        ratio = self.machine_ratio() + self.extra_ms_per_row() * (self._rows(q) - centre)
+        return self.curve.verify(q) * max(ratio, 1e-3)
 
     @property
     def draft_ms(self) -> float:

@@ -55,8 +55,8 @@ def test_learned_costs_move_the_choice_off_a_curve_that_underestimates_big_passe
     flat = curve({q: 10.0 for q in range(1, 9)}, draft=1.0)
     rates = [0.9 ** (k + 1) for k in range(7)]
 
-    def true_ms(q):     # the curve says flat; really every token adds 4 ms
-        return 10.0 + 4.0 * (q - 1)
+    def true_ms(q):     # the curve says flat; really every token adds 8 ms
+        return 10.0 + 8.0 * (q - 1)
 
     def policy(learn):
         p = AdaptiveBlockSize(flat, max_drafts=7, learn_costs=learn, prior_weight=1e9,
@@ -64,13 +64,75 @@ def test_learned_costs_move_the_choice_off_a_curve_that_underestimates_big_passe
         p.prior = rates        # acceptance known exactly: only the costs are learned
         return p
 
-    best = max(range(8), key=lambda n: expected_tokens(rates, n) / (true_ms(n + 1) + (n > 0)))
-    assert best == 4
+    def rate(n):
+        return expected_tokens(rates, n) / (true_ms(n + 1) + (n > 0))
+
+    best = max(range(8), key=rate)
+    assert best == 2
     assert set(_simulate(policy(False), true_ms, 50)) == {7}    # trusts the curve forever
-    learned = _simulate(policy(True), true_ms, 400)
+    assert rate(7) / rate(best) < 0.9
+    learned = _simulate(policy(True), true_ms, 600)
     assert learned[0] == 7
-    settled = [n for i, n in enumerate(learned[-40:]) if (len(learned) - 40 + i + 1) % 2]
-    assert set(settled) == {4}, settled     # the non-exploring choices found the true best
+    settled = [n for i, n in enumerate(learned[-100:]) if (len(learned) - 100 + i + 1) % 2]
+    assert min(rate(n) for n in settled) / rate(best) > 0.99, settled   # (non-exploring choices)
+
+
+def _noisy_run(seed, learned_cost=None):
+    """3,000 steps on a machine 1.5x slower than at start-up whose passes vary by 30% and one
+    in ten is 2.5x slower (another process): verify costs and acceptance of the shipped
+    drafter here. Returns (expected tokens per true ms relative to the best n, mean n)."""
+    import random
+    points = {q: 77.4 + 2.1 * (q - 1) for q in range(1, 9)}
+    rates = [0.55, 0.3, 0.15, 0.07, 0.03, 0.015, 0.007]
+    c = curve(points, draft=7.0)
+    p = AdaptiveBlockSize(c, max_drafts=7, prior_weight=1e9)
+    p.prior = rates
+    if learned_cost is not None:
+        p.costs = learned_cost(c)
+
+    def rate(n):
+        return expected_tokens(rates, n) / (points[n + 1] + (7.0 if n else 0.0))
+
+    rng, tokens, ms, choices = random.Random(seed), 0.0, 0.0, []
+    for _ in range(3000):
+        n = p.num_drafts(remaining=1000)
+        choices.append(n)
+        load = 1.5 * rng.lognormvariate(0, 0.3) * (2.5 if rng.random() < 0.1 else 1.0)
+        p.observe_costs(n + 1, points[n + 1] * load / 1e3, 7.0 * load / 1e3 if n else None)
+        tokens += expected_tokens(rates, n)
+        ms += points[n + 1] + (7.0 if n else 0.0)
+    best = max(range(8), key=rate)
+    assert best == 4
+    return tokens / ms / rate(best), sum(choices) / len(choices)
+
+
+class PerQCost(OnlineCost):
+    """The design this replaced: a separate learned correction per q (kept to show the test
+    can tell the two apart)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._per_q = {}
+
+    def observe_verify(self, tokens, ms):
+        super().observe_verify(tokens, ms)
+        acc = self._per_q.setdefault(tokens, [0.0, 0.0, 1.0])
+        self._add(acc, ms / self.curve.verify(tokens))
+
+    def verify(self, q):
+        g = self.machine_ratio()
+        acc = self._per_q.get(q)
+        return self.curve.verify(q) * (self._mean(acc, g) if acc else g)
+
+
+def test_a_noisy_machine_does_not_lure_the_choice_to_more_drafts():
+    runs = [_noisy_run(seed) for seed in range(4)]
+    efficiency = sum(e for e, _ in runs) / len(runs)
+    mean_n = sum(n for _, n in runs) / len(runs)
+    assert efficiency > 0.99 and abs(mean_n - 4) < 0.4, runs
+    per_q = [_noisy_run(seed, PerQCost) for seed in range(4)]      # the winner's curse
+    assert sum(n for _, n in per_q) / len(per_q) > 4.4, per_q
+    assert sum(e for e, _ in per_q) / len(per_q) < efficiency
 
 
 def test_a_uniform_slowdown_does_not_change_the_choice():
