@@ -230,6 +230,58 @@ def details_tables(summary: dict, methods: list[str]) -> str:
     return "\n".join(out)
 
 
+def paired_comparison(records: list[Record], first: str, second: str, resamples: int = 4000,
+                      seed: int = 0) -> dict:
+    """``first`` against ``second`` on the prompt-turns both ran, per suite and over all:
+    the per-prompt ratio of decode speeds (median, bootstrap 95% interval of the median,
+    wins), and the pooled ratio of time per token. Two methods a few percent apart are only
+    told apart this way: per-prompt swings on a shared machine are larger than the gap, and
+    pairing removes the prompt-to-prompt variation (length, acceptance) they share."""
+    import random
+    runs = {(r.suite, r.prompt_id, r.turn, r.method): r for r in records}
+    pairs: dict[str, list[tuple[Record, Record]]] = {}
+    for (suite, pid, turn, method), a in runs.items():
+        b = runs.get((suite, pid, turn, second))
+        if method == first and b is not None and a.decode_s > 0 and b.decode_s > 0 \
+                and a.decode_tokens and b.decode_tokens:
+            pairs.setdefault(suite, []).append((a, b))
+    if len(pairs) > 1:
+        pairs["all"] = [p for suite_pairs in list(pairs.values()) for p in suite_pairs]
+    out = {}
+    for suite, ps in pairs.items():
+        if not ps:
+            continue
+        ratios = [(a.decode_tokens / a.decode_s) / (b.decode_tokens / b.decode_s) for a, b in ps]
+        rng = random.Random(seed)
+        medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+        out[suite] = {"pairs": len(ps), "median": statistics.median(ratios),
+                      "ci95": [_percentile(medians, 0.025), _percentile(medians, 0.975)],
+                      "pooled": _pooled_speedup([a for a, _ in ps], [b for _, b in ps]),
+                      "wins": sum(x > 1 for x in ratios)}
+    return out
+
+
+def paired_tables(records: list[Record], methods: list[str]) -> tuple[dict, str]:
+    """The first of our drafting methods against each other one (an adaptive block size
+    against fixed sizes, say), as summary entries and Markdown."""
+    ours = [m for m in methods if m.startswith("dflash")]
+    entries, md = {}, []
+    for other in ours[1:]:
+        comp = paired_comparison(records, ours[0], other)
+        if not comp:
+            continue
+        entries[f"{ours[0]} vs {other}"] = comp
+        md.append(f"### `{ours[0]}` against `{other}`, paired by prompt-turn\n\n| suite | pairs | "
+                  f"speed ratio per prompt: median (95% interval of the median) | pooled | faster on |\n"
+                  f"|---|---|---|---|---|")
+        for suite, e in comp.items():
+            pooled = f"{e['pooled']:.3f}x" if e["pooled"] else "-"
+            md.append(f"| {suite} | {e['pairs']} | {e['median']:.3f}x ({e['ci95'][0]:.3f}-"
+                      f"{e['ci95'][1]:.3f}) | {pooled} | {e['wins']} of {e['pairs']} |")
+        md.append("")
+    return entries, "\n".join(md)
+
+
 def drafting_methods(summary: dict, methods: list[str]) -> list[str]:
     """Methods with a per-slot acceptance curve somewhere (ar-loop's is empty: it drafts nothing)."""
     return [m for m in methods if any(per.get(m, {}).get("slot_acceptance") for per in summary.values())]
@@ -295,6 +347,9 @@ def write_report(out_dir: Path, records: list[Record], run: dict, config: dict, 
               "stand_ins": {s: STAND_INS[s] for s in suites}, "summary": summary,
               "lossless": lossless, "identical_to_ar": all(r.identical_to_ar is not False for r in records),
               "records": len(records), "expected_records": expected}
+    paired, paired_md = paired_tables(records, names)
+    if paired:
+        report["paired"] = paired
     text = json.dumps(report, indent=2)
     atomic_write(out_dir / "summary.json", lambda tmp: Path(tmp).write_text(text))
     table = markdown_table(summary, names)
@@ -317,7 +372,9 @@ def write_report(out_dir: Path, records: list[Record], run: dict, config: dict, 
             "prefill and first token. Per-slot acceptance: P(draft slot k accepted | drafted). "
             "Plots: `speedup.png`, `acceptance.png` (per-slot acceptance and acceptance-length "
             "histogram of the first dflash method); every record in `records.jsonl`.\n\n"
-          + details_tables(summary, names))
+          + details_tables(summary, names)
+          + ("\n## Paired comparisons\n\nBootstrap over prompt-turns (4,000 resamples, seed 0); "
+             "a ratio above 1 means the first method decoded faster.\n\n" + paired_md if paired else ""))
     (out_dir / "report.md").write_text(md)
     plot(summary, names, out_dir)
     return report

@@ -7,7 +7,8 @@ import torch
 
 from dflashkit.bench import make_methods, run_bench
 from dflashkit.report import (Record, first_difference, lossless_verdict, markdown_table, mismatch_kind,
-                              drafting_methods, report_from_folder, summarize)
+                              drafting_methods, paired_comparison, paired_tables, report_from_folder,
+                              summarize)
 from dflashkit.drafter import config_for_target, init_drafter
 from dflashkit.sampling import SamplingConfig
 from dflashkit.suites import BenchPrompt
@@ -37,6 +38,29 @@ def test_pooled_speedup_tau_and_histogram():
     loop = [rec("ar-loop", "a", 11, 0.8), rec("ar-loop", "b", 21, 2.2)]
     s = summarize(records + loop)["s"]
     assert s["dflash"]["speedup_vs_ar_loop"] == pytest.approx((3.0 / 30) / (1.5 / 30))
+
+
+def test_paired_comparison_of_two_drafting_methods():
+    # speeds (decode tokens / s): auto 10, 20, 30 and 12 on suite t; fixed 10, 25, 20 and 12
+    records = [rec("auto", "a", 11, 1.0), rec("auto", "b", 21, 1.0), rec("auto", "c", 31, 1.0),
+               rec("fixed", "a", 11, 1.0), rec("fixed", "b", 21, 0.8), rec("fixed", "c", 31, 1.5),
+               rec("auto", "d", 13, 1.0, suite="t"), rec("fixed", "d", 13, 1.0, suite="t"),
+               rec("auto", "e", 9, 1.0)]                      # no partner: not paired
+    comp = paired_comparison(records, "auto", "fixed")
+    s = comp["s"]
+    assert s["pairs"] == 3 and s["wins"] == 1                 # only c is faster under auto
+    assert s["median"] == pytest.approx(1.0)                  # ratios 1.0, 0.8, 1.5
+    assert s["pooled"] == pytest.approx((3.3 / 60) / (3.0 / 60))
+    assert s["ci95"][0] <= s["median"] <= s["ci95"][1]
+    assert 0.8 <= s["ci95"][0] and s["ci95"][1] <= 1.5         # medians of resamples stay in range
+    assert comp["all"]["pairs"] == 4 and comp["t"]["median"] == pytest.approx(1.0)
+    assert paired_comparison(records, "auto", "fixed") == comp  # seeded: the same every time
+    entries, md = paired_tables(records, ["ar", "dflash", "dflash:4"])
+    assert entries == {} and md == ""                          # no dflash records to pair
+    renamed = [Record(**{**r.__dict__, "method": {"auto": "dflash", "fixed": "dflash:4"}[r.method]})
+               for r in records]
+    entries, md = paired_tables(renamed, ["ar", "dflash", "dflash:4"])
+    assert "dflash vs dflash:4" in entries and "| s | 3 | 1.000x" in md and "1 of 3" in md
 
 
 def test_lossless_check_flags_an_injected_mismatch():
