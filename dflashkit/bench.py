@@ -134,6 +134,16 @@ def environment() -> dict:
 
 # --- the run -------------------------------------------------------------------------------
 
+def _same_run(old: dict | None, new: dict) -> bool:
+    """Whether a resumed run measures what the interrupted one did. A drafter is the same by
+    content: its path may differ (another checkout, a copy) when the sha256 agrees."""
+    if old is None:
+        return False
+    if old.get("drafter_sha256") and old.get("drafter_sha256") == new.get("drafter_sha256"):
+        old, new = {**old, "drafter": None}, {**new, "drafter": None}
+    return old == new
+
+
 def _resume(out_dir: Path, fingerprint: dict, fresh: bool) -> dict[tuple, Record]:
     """Records of an interrupted run with the same configuration, keyed by
     (suite, prompt, turn, method); a different configuration in the same folder is an error."""
@@ -143,7 +153,7 @@ def _resume(out_dir: Path, fingerprint: dict, fresh: bool) -> dict[tuple, Record
         log_file.write_text("")
         return {}
     old = json.loads(run_file.read_text()) if run_file.exists() else None
-    if old != fingerprint:
+    if not _same_run(old, fingerprint):
         raise ValueError(f"{out_dir} holds a bench run with a different configuration; pass another "
                          f"--out, or --fresh to start this folder over")
     done: dict[tuple, Record] = {}

@@ -185,7 +185,8 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
         mp.setattr(type(target), "decode", lambda self, ids: "x" * len(ids))
         mp.setattr("dflashkit.bench.load_suite", lambda s, n, seed: prompts)
         mp.setattr("dflashkit.report.load_suite", lambda s, n, seed: prompts)
-        args = (target, methods, ["humaneval"], 4, 6, SamplingConfig(), 0, tmp_path, {"target": "tiny"})
+        config = {"target": "tiny", "drafter": "/checkout/a/drafter", "drafter_sha256": "s1"}
+        args = (target, methods, ["humaneval"], 4, 6, SamplingConfig(), 0, tmp_path, config)
         with pytest.raises(KeyboardInterrupt):
             run_bench(*args, progress=False)
         assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 5
@@ -202,12 +203,16 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
         assert len(lines) == 8 and len({(x["prompt_id"], x["method"]) for x in lines}) == 8
         assert report["lossless"] and report["summary"]["humaneval"]["ar"]["prompts"] == 4
         assert "Partial" not in (tmp_path / "report.md").read_text()
+        calls.update(n=0)                  # the same drafter bytes from another checkout: resumes
+        run_bench(target, methods, ["humaneval"], 4, 6, SamplingConfig(), 0, tmp_path,
+                  {**config, "drafter": "/checkout/b/drafter"}, progress=False)
+        assert calls["n"] == 0
         with pytest.raises(ValueError, match="different configuration"):
             run_bench(target, methods, ["humaneval"], 4, 7, SamplingConfig(), 0, tmp_path,
-                      {"target": "tiny"}, progress=False)
+                      config, progress=False)
         with pytest.raises(ValueError, match="different configuration"):   # drafter retrained in place
             run_bench(target, methods, ["humaneval"], 4, 6, SamplingConfig(), 0, tmp_path,
-                      {"target": "tiny", "drafter_sha256": "another"}, progress=False)
+                      {**config, "drafter_sha256": "another"}, progress=False)
         env = json.loads((tmp_path / "environment.json").read_text())
         assert report["environment"] == env          # the machine of the first start, kept
         (tmp_path / "environment.json").write_text(json.dumps({**env, "torch_threads": 99}))
