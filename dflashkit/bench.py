@@ -24,7 +24,7 @@ from .baselines import hf_generate
 from .checkpoint import atomic_write
 from .costs import cpu_model
 from .decoding import DFlashProposer, speculative_generate
-from .report import Record, first_difference, mismatch_kind, summarize, write_report
+from .report import Record, attach_checks, mismatch_kind, summarize, write_report
 from .sampling import SamplingConfig
 from .suites import BenchPrompt, load_suite
 from .target import Target
@@ -184,6 +184,18 @@ def _run_environment(out_dir: Path, fresh_start: bool) -> dict:
     return env
 
 
+def _say_mismatch(rec: Record, kind: str | None, text: str) -> None:
+    if kind == "failure":
+        print(f"\n\033[31mLOSSLESS CHECK FAILED\033[0m: {rec.method} differs from "
+              f"{'ar-loop' if rec.identical_to_ar_loop is False else 'ar'} on {rec.suite}/"
+              f"{rec.prompt_id} turn {rec.turn} (first difference from ar at generated position "
+              f"{rec.first_diff}); prompt: {text[:120]!r}", file=sys.stderr)
+    elif kind == "kernel" and rec.method == "ar-loop":
+        print(f"\nnote: bf16 ar-loop differs from ar on {rec.suite}/{rec.prompt_id} turn {rec.turn} "
+              f"at position {rec.first_diff} (one-row kernel rounding; dflash is checked against "
+              f"ar-loop)", file=sys.stderr)
+
+
 def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num_prompts: int,
               max_new_tokens: int, sampling: SamplingConfig, seed: int, out_dir: Path,
               config: dict, progress: bool = True, max_turns: int | None = None,
@@ -211,50 +223,33 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
     total_turns = sum(len(p.turns) for p in prompts)
     bar = tqdm(total=total_turns * len(methods), disable=not progress, desc="bench")
     spec = next((m for m in methods if m.startswith("dflash")), None)
-    for p in prompts:
+    names = list(methods)
+    for index, p in enumerate(prompts):
+        # interleaved: every method on this turn, each prompt in a rotated order, so that
+        # machine drift and whatever one method leaves in the caches hit every method alike
+        order = names[index % len(names):] + names[:index % len(names)]
         history: dict[str, list[dict]] = {m: [] for m in methods}
         for turn, text in enumerate(p.turns):
-            ar_tokens = loop_tokens = None
-            for name, method in methods.items():   # interleaved: every method on this turn
+            this_turn: list[Record] = []
+            measured: list[Record] = []
+            for name in order:
                 messages = history[name] + [{"role": "user", "content": text}]
-                previous = done.get((p.suite, p.id, turn, name))
-                if previous is not None:            # finished before an interruption
-                    records.append(previous)
-                    ar_tokens = previous.tokens if name == "ar" else ar_tokens
-                    loop_tokens = previous.tokens if name == "ar-loop" else loop_tokens
-                    history[name] = messages + [{"role": "assistant",
-                                                 "content": target.decode(previous.tokens)}]
-                    bar.update(1)
-                    continue
-                ids = target.encode_prompt(messages)
-                r = method(ids, max_new_tokens, sampling, stops)
-                rec = Record(p.suite, p.id, turn, name, len(r.tokens), r.prefill_s, r.decode_s, r.tokens,
-                             r.acceptance_lengths, r.slot_accepted, r.slot_drafted)
-                if name == "ar-loop":
-                    loop_tokens = r.tokens
-                elif sampling.greedy and loop_tokens is not None and name != "ar":
-                    rec.identical_to_ar_loop = r.tokens == loop_tokens
-                if name == "ar":
-                    ar_tokens = r.tokens
-                elif sampling.greedy and ar_tokens is not None:
-                    rec.first_diff = first_difference(ar_tokens, r.tokens)
-                    rec.identical_to_ar = rec.first_diff is None
-                    kind = mismatch_kind(rec, bf16)
-                    if kind == "failure":
-                        print(f"\n\033[31mLOSSLESS CHECK FAILED\033[0m: {name} differs from "
-                              f"{'ar-loop' if rec.identical_to_ar_loop is False else 'ar'} on "
-                              f"{p.suite}/{p.id} turn {turn} (first difference from ar at generated "
-                              f"position {rec.first_diff}); prompt: {text[:120]!r}", file=sys.stderr)
-                    elif kind == "kernel" and name == "ar-loop":
-                        print(f"\nnote: bf16 ar-loop differs from ar on {p.suite}/{p.id} turn {turn} "
-                              f"at position {rec.first_diff} (one-row kernel rounding; dflash is "
-                              f"checked against ar-loop)", file=sys.stderr)
-                history[name] = messages + [{"role": "assistant",
-                                             "content": target.decode(r.tokens)}]
+                rec = done.get((p.suite, p.id, turn, name))   # finished before an interruption
+                if rec is None:
+                    r = methods[name](target.encode_prompt(messages), max_new_tokens, sampling, stops)
+                    rec = Record(p.suite, p.id, turn, name, len(r.tokens), r.prefill_s, r.decode_s,
+                                 r.tokens, r.acceptance_lengths, r.slot_accepted, r.slot_drafted)
+                    attach_checks(this_turn + [rec], sampling.greedy)   # against references so far
+                    log.write(json.dumps(asdict(rec)) + "\n")
+                    log.flush()
+                    measured.append(rec)
+                this_turn.append(rec)
                 records.append(rec)
-                log.write(json.dumps(asdict(rec)) + "\n")
-                log.flush()
+                history[name] = messages + [{"role": "assistant", "content": target.decode(rec.tokens)}]
                 bar.update(1)
+            attach_checks(this_turn, sampling.greedy)
+            for rec in measured:
+                _say_mismatch(rec, mismatch_kind(rec, bf16), text)
             summary = summarize(records, bf16)
             if spec is not None:
                 e = summary.get(p.suite, {}).get(spec, {})

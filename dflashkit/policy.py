@@ -132,6 +132,10 @@ class AdaptiveBlockSize:
     curve: CostCurve
     max_drafts: int
     prior_weight: float = 4.0     # pseudo-observations behind the prior
+    acceptance_decay: float = 0.99  # weight left to an acceptance observation after each newer
+                                    # one (~100 steps of memory): acceptance is a property of
+                                    # the text being written, so a new kind of request (code,
+                                    # then chat) must move the choice within one answer
     explore_every: int = 4        # when verifying nothing, still draft every N-th step
     learn_costs: bool = True      # correct the curve with observed pass times (OnlineCost)
     explore_costs_every: int = 8  # every N-th choice tries a neighbour of the best n, so the
@@ -186,6 +190,9 @@ class AdaptiveBlockSize:
 
     def observe(self, proposals: list[int], actual: list[int]) -> None:
         """``actual``: the committed tokens at the proposals' positions (may be shorter)."""
+        if self.acceptance_decay != 1.0:
+            self.matched = [m * self.acceptance_decay for m in self.matched]
+            self.observed = [o * self.acceptance_decay for o in self.observed]
         prefix_ok = True
         for k, (p, a) in enumerate(zip(proposals[:self.max_drafts], actual)):
             prefix_ok = prefix_ok and p == a

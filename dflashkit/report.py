@@ -56,6 +56,23 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def attach_checks(records: list[Record], greedy: bool = True) -> None:
+    """Fill in each record's losslessness fields from the same turn's ``ar`` and ``ar-loop``
+    records, wherever those are (methods run in a rotated order, so a reference may come
+    after the method it checks). Sampled outputs are not compared token by token."""
+    if not greedy:
+        return
+    refs = {(r.suite, r.prompt_id, r.turn, r.method): r for r in records if r.method in ("ar", "ar-loop")}
+    for r in records:
+        turn = (r.suite, r.prompt_id, r.turn)
+        ar, loop = refs.get(turn + ("ar",)), refs.get(turn + ("ar-loop",))
+        if loop is not None and r.method not in ("ar", "ar-loop"):
+            r.identical_to_ar_loop = r.tokens == loop.tokens
+        if ar is not None and r.method != "ar":
+            r.first_diff = first_difference(ar.tokens, r.tokens)
+            r.identical_to_ar = r.first_diff is None
+
+
 def _percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     if not xs:
@@ -339,6 +356,7 @@ def write_report(out_dir: Path, records: list[Record], run: dict, config: dict, 
     """summary.json, report.md and the plots of ``records``; ``run`` is the run's fingerprint
     (run.json). ``expected`` records make the run complete; fewer are reported as partial."""
     sampling = SamplingConfig(**run["sampling"])
+    attach_checks(records, sampling.greedy)
     bf16 = _dtype_name(run["dtype"]) != "float32"   # our loop may differ from HF generate (mismatch_kind)
     summary = summarize(records, bf16)
     names, suites = list(run["methods"]), list(run["suites"])

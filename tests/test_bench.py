@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflashkit.bench import make_methods, run_bench
-from dflashkit.report import (Record, first_difference, lossless_verdict, markdown_table, mismatch_kind,
+from dflashkit.report import (Record, attach_checks, first_difference, lossless_verdict, markdown_table, mismatch_kind,
                               drafting_methods, paired_comparison, paired_tables, report_from_folder,
                               summarize)
 from dflashkit.drafter import config_for_target, init_drafter
@@ -75,6 +75,23 @@ def test_lossless_check_flags_an_injected_mismatch():
     assert summarize(records)["s"]["dflash"]["mismatches_vs_ar_loop"] == 1
     ok, text = lossless_verdict(records, SamplingConfig())
     assert not ok and "LOSSLESS CHECK FAILED" in text and "s/a" in text
+
+
+def test_checks_are_attached_whatever_order_the_methods_ran_in():
+    # rotated order: the dflash run and ar-loop came before ar on this turn
+    loop = Record("s", "a", 0, "ar-loop", 3, 0.1, 1.0, [1, 2, 3])
+    spec = Record("s", "a", 0, "dflash", 3, 0.1, 0.5, [1, 2, 4], [2, 1], [1], [2])
+    other = Record("s", "b", 0, "dflash", 3, 0.1, 0.5, [9, 9, 9], [3], [1], [1])   # no references
+    attach_checks([spec, loop, other])
+    assert spec.identical_to_ar_loop is False and spec.identical_to_ar is None
+    ar = Record("s", "a", 0, "ar", 3, 0.1, 2.0, [1, 2, 3])
+    attach_checks([spec, loop, ar, other])
+    assert (spec.first_diff, spec.identical_to_ar, loop.identical_to_ar) == (2, False, True)
+    assert other.identical_to_ar is None and other.identical_to_ar_loop is None
+    assert mismatch_kind(spec, bf16=True) == "failure"
+    sampled = Record("s", "a", 0, "dflash", 3, 0.1, 0.5, [7, 7, 7])
+    attach_checks([sampled, loop, ar], greedy=False)        # sampled outputs: never compared
+    assert sampled.identical_to_ar is None and sampled.identical_to_ar_loop is None
 
 
 def test_bf16_kernel_differences_are_told_apart_from_speculation_failures():
@@ -162,10 +179,12 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
 def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path):
     target = tiny_target("qwen2", seed=3)
     calls = {"n": 0, "limit": 5}
+    order = []
 
-    def counted(method):
+    def counted(method, name):
         def run(ids, n, s, stops):
             calls["n"] += 1
+            order.append(name)
             if calls["n"] > calls["limit"]:
                 raise KeyboardInterrupt
             return method(ids, n, s, stops)
@@ -178,7 +197,7 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
 
     target.tokenizer = Tok()
     base = make_methods(["ar", "ar-loop"], target)
-    methods = {k: counted(v) for k, v in base.items()}
+    methods = {k: counted(v, k) for k, v in base.items()}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(type(target), "encode_prompt",
                    lambda self, msgs, chat=True: [3 + (ord(c) % 80) for m in msgs for c in m["content"]])
@@ -190,6 +209,7 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
         with pytest.raises(KeyboardInterrupt):
             run_bench(*args, progress=False)
         assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 5
+        assert order[:5] == ["ar", "ar-loop", "ar-loop", "ar", "ar"]    # rotated per prompt
         with open(tmp_path / "records.jsonl", "a") as f:
             f.write('{"suite": "humaneval", "prom')           # a torn line from the kill
         partial = report_from_folder(tmp_path)                 # the report of the run so far

@@ -175,13 +175,49 @@ def test_curve_interpolates_and_extrapolates():
 
 
 def test_running_estimates_are_prefix_rates():
-    p = AdaptiveBlockSize(curve({1: 10, 2: 11, 3: 12, 4: 13}), max_drafts=3, prior_weight=0.0)
+    p = AdaptiveBlockSize(curve({1: 10, 2: 11, 3: 12, 4: 13}), max_drafts=3, prior_weight=0.0,
+                          acceptance_decay=1.0)
     p.observe([5, 6, 7], [5, 6, 9])   # first two right, third wrong
     p.observe([5, 8, 7], [5, 6, 7])   # first right; the third matching alone does not count
     p.observe([1, 2, 3], [1])         # only slot 1 can be judged yet
     assert p.observed == [3, 2, 2]
     assert p.matched == [3, 1, 0]
     assert p.prefix_rates() == pytest.approx([1.0, 0.5, 0.0])
+
+
+def _observe_rates(policy, prefix_rates, steps):
+    """``steps`` observations whose matched prefixes reach slot k in exactly
+    ``prefix_rates[k - 1]`` of every 100 steps (spread evenly), choosing at each step."""
+    reach = [round(100 * r) for r in prefix_rates]
+    choices = []
+    for i in range(steps):
+        choices.append(policy.num_drafts(remaining=1000))
+        j = (i * 37) % 100                     # a fixed shuffle of the 100-step cycle
+        matched = sum(j < r for r in reach)
+        policy.observe([1] * 7, [1] * matched + [0] * (7 - matched))
+    return choices
+
+
+def test_acceptance_estimates_follow_a_change_of_task():
+    """Code (high acceptance) for 2,000 steps, then chat (low): within one answer (~200
+    steps of 256 tokens) the choice moves to what pays for chat. Without forgetting, 2,000 steps of code keep it
+    verifying drafts that chat never accepts. Rates and costs of the shipped drafter here."""
+    c = curve({q: 77.4 + 2.1 * (q - 1) for q in range(1, 9)}, draft=7.1)
+    code = [0.44, 0.21, 0.11, 0.05, 0.02, 0.01, 0.0]
+    chat = [0.29, 0.05, 0.01, 0.0, 0.0, 0.0, 0.0]
+    assert best_num_drafts(code, c, 7) == 4 and best_num_drafts(chat, c, 7) == 2
+
+    def run(decay):
+        p = AdaptiveBlockSize(c, max_drafts=7, learn_costs=False, acceptance_decay=decay)
+        on_code = _observe_rates(p, code, 2000)
+        on_chat = _observe_rates(p, chat, 300)
+        return on_code[-100:], on_chat[200:]
+
+    on_code, on_chat = run(0.99)
+    assert set(on_code) <= {3, 4, 5} and sum(on_code) / 100 == pytest.approx(4, abs=0.5)
+    assert set(on_chat) == {2}
+    _, stuck = run(1.0)
+    assert set(stuck) == {4}
 
 
 def test_policy_learns_from_an_oracle_and_stays_lossless(family):
