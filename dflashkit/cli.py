@@ -227,15 +227,20 @@ def cmd_bench_cost(args) -> int:
     return 0
 
 
+STAGES = "data,teacher,train,export"
+
+
 def cmd_train(args) -> int:
-    from .pipeline import load_config, run_data_stage, run_train_and_export
+    from .pipeline import load_config, run_data_stage, run_teacher_stage, run_train_and_export
     cfg = load_config(args.config)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    unknown = sorted(set(stages) - {"data", "train", "export"})
+    unknown = sorted(set(stages) - {"data", "teacher", "train", "export"})
     if unknown:
-        raise ValueError(f"--stages: unknown stage(s) {unknown}; choose from data, train, export")
+        raise ValueError(f"--stages: unknown stage(s) {unknown}; choose from data, teacher, train, export")
     if "data" in stages:
         run_data_stage(cfg)
+    if "teacher" in stages:
+        run_teacher_stage(cfg, forced=args.stages != STAGES)
     if "train" in stages or "export" in stages:
         run_train_and_export(cfg, export="export" in stages)
     return 0
@@ -357,7 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="run the training pipeline of a YAML config")
     train.add_argument("--config", required=True, type=Path)
-    train.add_argument("--stages", default="data,train,export", help="comma-separated subset")
+    train.add_argument("--stages", default=STAGES,
+                       help="comma-separated subset (teacher: the target's distributions for "
+                            "distillation; by default it runs only when train.distill > 0)")
     train.set_defaults(func=cmd_train)
     return p
 

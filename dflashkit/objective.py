@@ -8,6 +8,10 @@ j < anchor_n (strictly: the anchor's own features are not yet known at inference
 own block (bidirectionally), never other blocks. Slot k predicts token[anchor + k] (the
 same position: no shift), weighted by exp(-(k-1)/gamma). The loss is the weighted mean
 cross-entropy, computed in chunks over a (possibly restricted) vocabulary.
+
+Optionally (``distill`` > 0) each slot's cross-entropy is mixed with the cross-entropy
+against the target's own distribution at that position (its top k, renormalised over the
+tokens the drafter can propose; teacher.py): ``(1 - distill) * CE(label) + distill * CE(p)``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Blocks:
     labels: torch.Tensor     # [b, N*B] token at anchor + k (0 where out of range)
     weights: torch.Tensor    # [b, N*B] loss weights (0 for slot 0, padding, out of range, prompt)
     block_size: int
+    teacher_ids: torch.Tensor | None = None    # [b, N*B, k] the target's top-k at each label (-1: none)
+    teacher_logp: torch.Tensor | None = None   # [b, N*B, k] their log-probs
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -134,30 +140,61 @@ class LossOutput:
     num_queries: int
 
 
-def _ce_chunk(hidden, head, labels):
-    logits = hidden @ head.T
-    return F.cross_entropy(logits.float(), labels, reduction="none"), logits.argmax(-1)
+def _ce_chunk(hidden, head, labels, soft_rows=None, soft_p=None, distill=0.0):
+    """Per row: the loss, the hard-label CE and the argmax. With a teacher, the loss mixes in
+    ``-sum_j p_j log q(row_j)`` (soft_p zero where a teacher entry is unusable; rows whose
+    teacher is all zero keep the hard CE alone)."""
+    logits = (hidden @ head.T).float()
+    hard = F.cross_entropy(logits, labels, reduction="none")
+    loss = hard
+    if soft_rows is not None and distill > 0:
+        log_q = logits - logits.logsumexp(-1, keepdim=True)
+        soft = -(soft_p * log_q.gather(-1, soft_rows)).sum(-1)
+        has = soft_p.sum(-1) > 0
+        loss = torch.where(has, (1 - distill) * hard + distill * soft, hard)
+    return loss, hard.detach(), logits.argmax(-1)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
-                          chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row CE and argmax against ``head`` [V, H] without holding all logits at once."""
-    losses, preds = [], []
+                          chunk: int, soft_rows: torch.Tensor | None = None,
+                          soft_p: torch.Tensor | None = None, distill: float = 0.0
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row loss, hard-label CE and argmax against ``head`` [V, H] without holding all
+    logits at once. ``soft_rows``/``soft_p`` [n, k]: teacher rows of ``head`` and their
+    probabilities, mixed in with weight ``distill``."""
+    losses, hards, preds = [], [], []
     for s in range(0, hidden.shape[0], chunk):
-        h, y = hidden[s:s + chunk], labels[s:s + chunk]
+        part = (hidden[s:s + chunk], head, labels[s:s + chunk],
+                None if soft_rows is None else soft_rows[s:s + chunk],
+                None if soft_p is None else soft_p[s:s + chunk], distill)
         if torch.is_grad_enabled() and hidden.requires_grad:
-            loss, pred = checkpoint(_ce_chunk, h, head, y, use_reentrant=False)
+            loss, hard, pred = checkpoint(_ce_chunk, *part, use_reentrant=False)
         else:
-            loss, pred = _ce_chunk(h, head, y)
+            loss, hard, pred = _ce_chunk(*part)
         losses.append(loss)
+        hards.append(hard)
         preds.append(pred)
-    return torch.cat(losses), torch.cat(preds)
+    return torch.cat(losses), torch.cat(hards), torch.cat(preds)
+
+
+def teacher_targets(teacher_ids: torch.Tensor, teacher_logp: torch.Tensor,
+                    vocab_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the scored head and probabilities renormalised over the usable entries (in
+    the draft vocabulary, present); all zero where none is usable."""
+    ok = teacher_ids >= 0
+    rows = teacher_ids.clamp(min=0)
+    if vocab_index is not None:
+        rows = vocab_index[rows]
+        ok = ok & (rows >= 0)
+        rows = rows.clamp(min=0)
+    p = torch.where(ok, teacher_logp.float().exp(), torch.zeros((), dtype=torch.float32))
+    return rows, p / p.sum(-1, keepdim=True).clamp(min=1e-30)
 
 
 def dflash_loss(drafter: DFlashDrafter, embed: torch.nn.Module, head_weight: torch.Tensor,
                 vocab_index: torch.Tensor | None, features: torch.Tensor, blocks: Blocks,
                 normaliser: float | None = None, logits_chunk: int = 1024,
-                attention: str = "sdpa") -> LossOutput:
+                attention: str = "sdpa", distill: float = 0.0) -> LossOutput:
     """The DFlash loss for one batch of sequences with precomputed target features.
 
     head_weight: LM-head rows the drafter scores against ([V', H]; all rows or the draft
@@ -165,6 +202,9 @@ def dflash_loss(drafter: DFlashDrafter, embed: torch.nn.Module, head_weight: tor
         vocabulary; such labels get weight 0). normaliser: the global weight sum when this
         batch is one part of a larger (accumulated or distributed) batch.
     attention: "sdpa" (dense boolean mask; runs everywhere) or "flex" (sparse BlockMask).
+    distill: weight of the cross-entropy against the teacher distributions in ``blocks``
+        (needs ``blocks.teacher_ids``); ``weighted_ce_sum`` stays the hard-label CE either way,
+        so logged losses compare across runs.
     """
     b, L, _ = features.shape
     mask = flex_block_mask(blocks, L) if attention == "flex" else block_attention_mask(blocks, L)
@@ -178,10 +218,17 @@ def dflash_loss(drafter: DFlashDrafter, embed: torch.nn.Module, head_weight: tor
     keep = weights.reshape(-1) > 0
     h = hidden.reshape(-1, hidden.shape[-1])[keep]
     y, w = labels.reshape(-1)[keep], weights.reshape(-1)[keep]
-    ce, pred = chunked_cross_entropy(h, head_weight, y, logits_chunk)
+    soft_rows = soft_p = None
+    if distill > 0:
+        if blocks.teacher_ids is None:
+            raise ValueError("distill > 0 needs the teacher distributions in blocks (teacher.py)")
+        k = blocks.teacher_ids.shape[-1]
+        soft_rows, soft_p = teacher_targets(blocks.teacher_ids.reshape(-1, k)[keep],
+                                            blocks.teacher_logp.reshape(-1, k)[keep], vocab_index)
+    per_row, ce, pred = chunked_cross_entropy(h, head_weight, y, logits_chunk, soft_rows, soft_p, distill)
     wsum = float(w.sum())
     total = (ce * w).sum()
-    loss = total / (normaliser if normaliser is not None else max(wsum, 1e-9))
+    loss = (per_row * w).sum() / (normaliser if normaliser is not None else max(wsum, 1e-9))
     # Per-slot accuracy and leading-correct counts (for the acceptance estimate).
     B = blocks.block_size
     correct_all = torch.zeros(b * hidden.shape[1], dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""``dflashkit train --config``: data -> features -> training -> export, stage by stage.
+"""``dflashkit train --config``: data (+ features) -> teacher -> training -> export, stage by stage.
 
 Each stage writes its outputs under ``run_dir`` and is skipped when they are complete, so
 rerunning the same command after an interruption resumes where the work stopped.
@@ -96,6 +96,28 @@ def run_data_stage(cfg: PipelineConfig, target=None, progress: bool = True) -> P
     d = cfg.data
     prompts = training_prompts(d.num_code, d.num_math, d.num_chat, seed=d.seed, num_docs=d.num_docs)
     return regenerate(target, prompts, d, progress=progress)
+
+
+def run_teacher_stage(cfg: PipelineConfig, target=None, forced: bool = False,
+                      progress: bool = True, per_shard: int = 32) -> int:
+    """The target's top-k distributions for every sample that lacks them (data made before
+    the data stage kept them, or with ``data.teacher_top_k: 0``); runs when ``train.distill`` > 0
+    or when asked for by name. Returns how many samples it computed."""
+    from .regenerate import read_samples
+    from .teacher import TeacherStore, backfill
+    if cfg.train.distill <= 0 and not forced:
+        return 0
+    if not (cfg.data_dir / "meta.json").exists():
+        raise ConfigError(f"{cfg.data_dir}: the data stage is not complete; run it first (--stages data)")
+    records = read_samples(cfg.data_dir)
+    todo = TeacherStore(cfg.data_dir).missing(records)
+    if not todo:
+        print(f"teacher: complete ({len(records)} samples) in {cfg.data_dir}")
+        return 0
+    from .target import load_target
+    target = target or load_target(cfg.target, dtype=cfg.data.dtype, progress=progress)
+    k = cfg.data.teacher_top_k or 16
+    return backfill(target, cfg.data_dir, todo, k, per_shard=per_shard, progress=progress)
 
 
 def run_train_and_export(cfg: PipelineConfig, progress: bool = True, export: bool = True) -> Path | None:

@@ -7,6 +7,8 @@ generation (one pass serves both) and stored beside the tokens:
 
     OUT/samples.jsonl        one record per sample: ids, prompt length, source, shard
     OUT/features/NNNNNN.safetensors   per-sample features [num_tokens - 1, K*H] (bf16)
+    OUT/teacher/...          per-sample top-k of the distribution each response token was
+                             picked from (teacher.py; for distillation)
     OUT/meta.json            target, layer ids, counts (written when the stage completes)
 
 Writes are resumable: a shard is written atomically BEFORE its records are appended (and
@@ -32,6 +34,7 @@ from .checkpoint import atomic_write
 from transformers import DynamicCache
 
 from .target import Target
+from .teacher import TeacherStore, top_logprobs
 
 
 @dataclass
@@ -47,6 +50,9 @@ class DataConfig:
     batch_size: int = 8
     feature_layers: list[int] = field(default_factory=list)  # default: paper spread of 5
     store_features: bool = True
+    # top-k of the target's own next-token distribution per response token, kept for
+    # distillation (teacher.py); 0 keeps none
+    teacher_top_k: int = 16
     # "bfloat16" regenerates on the bf16 fast path (CPUs with AMX): ~118 vs ~93 tokens/s here;
     # the text can differ from fp32 greedy decoding only where two logits tie.
     dtype: str = "float32"
@@ -99,11 +105,13 @@ class FeatureStore:
 
 @torch.inference_mode()
 def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, stops: list[int]):
-    """Left-padded batched greedy generation; returns per-row (response ids, features).
+    """Left-padded batched greedy generation; returns per row (response ids, features,
+    teacher top-k (ids, log-probs) or None).
 
     Rows leave the batch as soon as they finish (a stop id or ``max_new_tokens``): their
     cache rows are dropped, so the target never computes tokens nobody will keep. The
-    features of every token fed to the target are kept from the same pass.
+    features of every token fed to the target, and the distribution each response token was
+    picked from, are kept from the same pass.
     """
     pad = target.pad_token_id() or 0
     width = max(len(p) for p in prompts)
@@ -116,6 +124,7 @@ def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, s
     layers = cfg.feature_layers if cfg.store_features else []
     responses: list[list[int]] = [[] for _ in prompts]
     feats: list[list[torch.Tensor]] = [[] for _ in prompts]
+    dists: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
     alive = list(range(len(prompts)))      # batch row k holds prompt alive[k]
     cache = DynamicCache(config=target.config)
     inputs = ids
@@ -124,6 +133,10 @@ def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, s
             out = target.model(input_ids=inputs, attention_mask=mask, position_ids=positions,
                                cache=cache, use_cache=True, logits_to_keep=1)
             next_ids = out.logits[:, -1].argmax(-1).tolist()
+            if cfg.teacher_top_k:
+                top_ids, top_logp = top_logprobs(out.logits[:, -1], cfg.teacher_top_k)
+                for k, i in enumerate(alive):
+                    dists[i].append((top_ids[k], top_logp[k]))
             if layers:
                 step = torch.cat([store[j].pop() for j in layers], dim=-1)
                 for k, i in enumerate(alive):
@@ -150,7 +163,10 @@ def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, s
         f = torch.cat(feats[i], dim=0).clone() if layers else None
         if f is not None and f.shape[0] != len(p) + len(responses[i]) - 1:
             raise AssertionError("feature rows out of step with the tokens")
-        rows.append((responses[i], f))
+        teacher = None
+        if cfg.teacher_top_k:
+            teacher = (torch.stack([d[0] for d in dists[i]]), torch.stack([d[1] for d in dists[i]]))
+        rows.append((responses[i], f, teacher))
     return rows
 
 
@@ -174,6 +190,7 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
     bar = tqdm(total=len(todo), disable=not progress, desc="regenerate", unit="sample")
     tokens, t0 = 0, time.perf_counter()
     window = cfg.batch_size * 4  # sort a small window by length: less padding, same mix
+    teachers = TeacherStore(out)
     with samples_path.open("a") as log, target.batched_attention():
         for w in range(0, len(todo), window):
             chunk = sorted(todo[w:w + window], key=lambda x: len(x[1]))
@@ -182,9 +199,11 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
                 rows = _generate_batch(target, [ids for _, ids in batch], cfg, stops)
                 shard = f"{shard_index:06d}.safetensors"
                 if cfg.store_features:
-                    tensors = {p["id"]: f for (p, _), (_, f) in zip(batch, rows)}
+                    tensors = {p["id"]: f for (p, _), (_, f, _) in zip(batch, rows)}
                     atomic_write(out / "features" / shard, lambda tmp: save_file(tensors, tmp))
-                for (p, ids), (resp, _) in zip(batch, rows):
+                if cfg.teacher_top_k:     # before the records: a record always has its teacher
+                    teachers.write({p["id"]: t for (p, _), (_, _, t) in zip(batch, rows)})
+                for (p, ids), (resp, _, _) in zip(batch, rows):
                     rec = {"id": p["id"], "source": p["source"], "kind": p["kind"],
                            "input_ids": ids + resp, "prompt_len": len(ids),
                            "finished": bool(resp) and resp[-1] in stops,
@@ -201,7 +220,8 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
     meta = {"target": target.name, "feature_layers": cfg.feature_layers,
             "hidden_size": target.hidden_size, "num_samples": len(records),
             "num_tokens": sum(len(r["input_ids"]) for r in records),
-            "config": asdict(cfg), "store_features": cfg.store_features}
+            "config": asdict(cfg), "store_features": cfg.store_features,
+            "teacher_top_k": cfg.teacher_top_k}
     if cfg.store_features:
         size = sum(f.stat().st_size for f in (out / "features").glob("*.safetensors"))
         meta["feature_bytes"] = size

@@ -66,6 +66,9 @@ class TrainConfig:
     # "bfloat16": forward and backward under bf16 autocast (master weights and AdamW stay fp32);
     # on CPUs with AMX the matmuls run several times faster. "float32": plain fp32.
     autocast: str = "float32"
+    # Weight of the cross-entropy against the target's own distributions (teacher.py) in each
+    # slot's loss; 0 is the plain DFlash objective. Needs the teacher stage's output.
+    distill: float = 0.0
 
 
 # --- distributed ---------------------------------------------------------------------------
@@ -197,6 +200,18 @@ class Trainer:
             self.vocab = torch.arange(vocab)
         else:
             raise ValueError(f"train.draft_vocab must be 'data' or 'full', got {cfg.draft_vocab!r}")
+        if not 0.0 <= cfg.distill <= 1.0:
+            raise ValueError(f"train.distill must be between 0 and 1, got {cfg.distill!r}")
+        self.teacher = None
+        if cfg.distill > 0:
+            from .teacher import TeacherStore
+            self.teacher = TeacherStore(self.data_dir)
+            missing = self.teacher.missing(records)
+            if missing:
+                raise ValueError(f"train.distill needs the target's distributions for every sample; "
+                                 f"{len(missing)} of {len(records)} in {self.data_dir} have none: run "
+                                 f"`dflashkit train --config ... --stages teacher` (one forward pass "
+                                 f"per sample), or set train.distill: 0")
         if cfg.autocast not in ("float32", "bfloat16"):
             raise ValueError(f"train.autocast must be 'float32' or 'bfloat16', got {cfg.autocast!r}")
         self.vocab_index = torch.full((vocab,), -1, dtype=torch.long)
@@ -221,6 +236,11 @@ class Trainer:
         ids, lm = _sequence(record, self.cfg.max_length)
         blocks = build_blocks(ids[None], lm[None], [anchors], self.drafter.block_size,
                               self.drafter.mask_token_id, self.gamma)
+        if self.teacher is not None:   # the target's distribution at every label position
+            from .teacher import sequence_distributions
+            t_ids, t_logp = sequence_distributions(self.teacher, record, ids.numel())
+            at = blocks.positions[0].clamp(max=ids.numel() - 1)
+            blocks.teacher_ids, blocks.teacher_logp = t_ids[at][None], t_logp[at][None]
         return ids, blocks
 
     def _weights_in_vocab(self, blocks: Blocks) -> float:
@@ -265,7 +285,8 @@ class Trainer:
             with self._autocast():
                 out = dflash_loss(self.drafter, self.embed, self.head_rows, self.vocab_index,
                                   features, blocks, normaliser=normaliser,
-                                  logits_chunk=cfg.logits_chunk, attention=self.attention)
+                                  logits_chunk=cfg.logits_chunk, attention=self.attention,
+                                  distill=cfg.distill)
             out.loss.backward()
             stats["ce"] += out.weighted_ce_sum
             stats["w"] += out.weight_sum
@@ -461,6 +482,10 @@ class Trainer:
             "## Recipe",
             f"- {cfg.epochs} epochs = {self.total_steps} steps of {cfg.global_batch} sequences; "
             f"{cfg.num_anchors} anchors per sequence; gamma {self.gamma}; max length {cfg.max_length}",
+            "- objective: "
+            + (f"{1 - cfg.distill:g} x CE on the regenerated tokens + {cfg.distill:g} x CE on the "
+               f"target's own top-k distributions (distillation)" if cfg.distill
+               else "CE on the regenerated tokens"),
             f"- AdamW lr {cfg.lr}, betas {tuple(cfg.betas)}, weight decay {cfg.weight_decay}, "
             f"{cfg.warmup_ratio:.0%} warmup then cosine, grad clip {cfg.grad_clip}; seed {cfg.seed}",
             f"- features: {cfg.features}; attention: {self.attention}; arithmetic: "

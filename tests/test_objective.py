@@ -175,3 +175,42 @@ def test_flex_attention_path_equals_dense_mask_path(setup):
         flex = dflash_loss(drafter, target.embed, head, None, feats2, blocks, attention="flex")
     torch.testing.assert_close(dense.loss, flex.loss, atol=1e-5, rtol=1e-5)
     assert torch.equal(dense.slot_correct, flex.slot_correct)
+
+
+def test_distillation_term_is_the_soft_cross_entropy_of_a_naive_loop():
+    """(1 - d) * CE(label) + d * sum_j -p_j log q_j, with p the teacher's top-k renormalised over
+    the tokens the drafter can propose; a one-hot teacher on the label is plain CE."""
+    from dflashkit.objective import chunked_cross_entropy, teacher_targets
+    g = torch.Generator().manual_seed(0)
+    n, H, V = 7, 8, 12
+    hidden, head = torch.randn(n, H, generator=g), torch.randn(V, H, generator=g)
+    labels = torch.randint(0, V, (n,), generator=g)
+    # full-vocabulary ids 0..19; the draft vocabulary holds the even ones (row = id // 2)
+    vocab_index = torch.tensor([i // 2 if i % 2 == 0 else -1 for i in range(20)])
+    t_ids = torch.randint(0, 20, (n, 3), generator=g)
+    t_ids[0] = torch.tensor([1, 3, 5])          # nothing usable: hard CE alone
+    t_ids[1, 2] = -1                            # a missing entry
+    t_logp = torch.log_softmax(torch.randn(n, 3, generator=g), -1)
+    rows, p = teacher_targets(t_ids, t_logp, vocab_index)
+    for d in (0.0, 0.3, 1.0):
+        loss, hard, pred = chunked_cross_entropy(hidden, head, labels, chunk=3, soft_rows=rows,
+                                                 soft_p=p, distill=d)
+        for i in range(n):
+            log_q = torch.log_softmax(hidden[i] @ head.T, -1)
+            ce = -log_q[labels[i]]
+            usable = [(int(t) // 2, float(lp.exp())) for t, lp in zip(t_ids[i], t_logp[i])
+                      if t >= 0 and t % 2 == 0]
+            if usable and d > 0:
+                z = sum(w for _, w in usable)
+                soft = -sum(w / z * log_q[r] for r, w in usable)
+                expected = (1 - d) * ce + d * soft
+            else:
+                expected = ce
+            assert loss[i].item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+            assert hard[i].item() == pytest.approx(ce.item(), rel=1e-5)
+        assert torch.equal(pred, (hidden @ head.T).argmax(-1))
+    one_hot_rows = labels[:, None].expand(n, 3)
+    one_hot_p = torch.tensor([[1.0, 0.0, 0.0]]).expand(n, 3)
+    loss, hard, _ = chunked_cross_entropy(hidden, head, labels, chunk=4, soft_rows=one_hot_rows,
+                                          soft_p=one_hot_p, distill=0.7)
+    torch.testing.assert_close(loss, hard)

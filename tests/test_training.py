@@ -79,12 +79,12 @@ def test_batched_regeneration_drops_finished_rows_exactly(tiny_run):
     cfg = DataConfig(max_new_tokens=16, feature_layers=LAYERS)
     # A stop id the model actually emits: the commonest token of an unstopped run.
     free = regen._generate_batch(target, prompts, cfg, stops=[])
-    counts = torch.bincount(torch.tensor([t for r, _ in free for t in r]))
+    counts = torch.bincount(torch.tensor([t for r, *_ in free for t in r]))
     stop = int(counts.argmax())
     rows = regen._generate_batch(target, prompts, cfg, stops=[stop])
-    lengths = {len(r) for r, _ in rows}
-    assert len(lengths) > 1 and any(r[-1] == stop for r, _ in rows)
-    for p, (resp, f) in zip(prompts, rows):
+    lengths = {len(r) for r, *_ in rows}
+    assert len(lengths) > 1 and any(r[-1] == stop for r, *_ in rows)
+    for p, (resp, f, _) in zip(prompts, rows):
         alone = target.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16,
                                       eos_token_id=stop, pad_token_id=0)[0, len(p):].tolist()
         assert resp == alone[:len(resp)] and (len(resp) == 16 or resp[-1] == stop)
@@ -261,3 +261,85 @@ def test_config_rejects_an_unknown_data_dtype(tmp_path):
     path.write_text(yaml.safe_dump({"target": "t", "run_dir": "r", "data": {"dtype": "float16"}}))
     with pytest.raises(ConfigError, match="data.dtype must be one of"):
         load_config(path)
+
+
+def test_teacher_distributions_kept_while_regenerating_equal_a_fresh_forward(tiny_run):
+    """The top-k kept from the generation pass are the target's distribution of each response
+    token: the same as one forward pass over the finished sample (the backfill path), and
+    their argmax is the regenerated token itself."""
+    from dflashkit.teacher import TeacherStore, response_logprobs
+    root, target = tiny_run
+    data = root / "run" / "data"
+    store = TeacherStore(data)
+    records = read_samples(data)
+    assert not store.missing(records)
+    for rec in records:
+        ids, logp = store.get(rec["id"])
+        n = len(rec["input_ids"]) - rec["prompt_len"]
+        assert ids.shape == logp.shape == (n, 16) and ids.dtype == torch.int32
+        assert ids[:, 0].tolist() == rec["input_ids"][rec["prompt_len"]:]      # greedy
+        ref_ids, ref_logp = response_logprobs(target, rec, 16)
+        torch.testing.assert_close(logp.float(), ref_logp.float(), atol=2e-3, rtol=2e-3)
+        clear = (ref_logp[:, :-1].float() - ref_logp[:, 1:].float()).abs() > 1e-2   # no near-ties
+        assert torch.equal(ids[:, :-1][clear], ref_ids[:, :-1][clear])
+        assert (logp.float().exp().sum(-1) <= 1.001).all()
+
+
+def test_teacher_backfill_resumes_and_training_refuses_data_without_it(tiny_run, tmp_path, monkeypatch):
+    """Data made without distributions: train.distill says what to run; the teacher stage,
+    interrupted, resumes without duplicates; then distillation trains."""
+    import shutil
+    import dflashkit.teacher as teacher_mod
+    from dflashkit.pipeline import load_config, run_teacher_stage
+    from dflashkit.trainer import Trainer
+    root, target = tiny_run
+    run = tmp_path / "nodist"
+    shutil.copytree(root / "run" / "data", run / "data", ignore=shutil.ignore_patterns("teacher"))
+    cfg_path = tmp_path / "nodist.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "target": str(root / "target"), "run_dir": str(run), "data": {"feature_layers": LAYERS},
+        "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": MASK},
+        "train": {"epochs": 1, "global_batch": 4, "num_anchors": 6, "heldout": 4, "eval_every": 3,
+                  "threads": 1, "max_steps": 2, "distill": 0.5}}))
+    cfg = load_config(cfg_path)
+    with pytest.raises(ValueError, match="--stages teacher"):
+        Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
+    real, calls = teacher_mod.response_logprobs, {"n": 0}
+
+    def dying(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise KeyboardInterrupt("simulated interruption")
+        return real(*a, **k)
+
+    monkeypatch.setattr(teacher_mod, "response_logprobs", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run_teacher_stage(cfg, target=target, progress=False, per_shard=5)
+    store = teacher_mod.TeacherStore(cfg.data_dir)
+    assert len(store.index()) == 5                                  # one whole shard kept
+    monkeypatch.setattr(teacher_mod, "response_logprobs", real)
+    assert run_teacher_stage(cfg, target=target, progress=False, per_shard=5) == 15
+    lines = (cfg.data_dir / "teacher" / "index.jsonl").read_text().splitlines()
+    assert len(lines) == 20 == len({json.loads(x)["id"] for x in lines})
+    assert run_teacher_stage(cfg, target=target, progress=False) == 0          # complete: skipped
+    first = teacher_mod.TeacherStore(root / "run" / "data")
+    for rec in read_samples(cfg.data_dir):                   # the same as kept while regenerating
+        torch.testing.assert_close(teacher_mod.TeacherStore(cfg.data_dir).get(rec["id"])[1].float(),
+                                   first.get(rec["id"])[1].float(), atol=2e-3, rtol=2e-3)
+    trainer = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
+    trainer.fit()
+    assert all(math.isfinite(float(r.split(",")[3]))
+               for r in (cfg.train_dir / "log.csv").read_text().splitlines()[1:])
+
+
+def test_distillation_changes_the_gradient_not_the_logged_loss(tiny_run):
+    """train.distill mixes the target's distributions into the loss: the first logged loss (the
+    hard-label CE, before any update) is the plain run's; the weights after it are not."""
+    root, _ = tiny_run
+    plain, t_plain = _logged_losses(root, "distill-0", max_steps=2)
+    mixed, t_mixed = _logged_losses(root, "distill-half", max_steps=2, distill=0.5)
+    assert mixed[0] == pytest.approx(plain[0], rel=1e-6)
+    a, b = t_plain.drafter.state_dict(), t_mixed.drafter.state_dict()
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    card = t_mixed.model_card()
+    assert "0.5 x CE on the target's own top-k distributions" in card
