@@ -39,6 +39,7 @@ class PipelineConfig:
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
     train: TrainConfig = field(default_factory=TrainConfig)
     export_dir: str | None = None
+    shared_data_dir: str | None = None    # train on another run's data (comparing recipes)
     raw: dict = field(default_factory=dict)
 
     @property
@@ -51,7 +52,7 @@ class PipelineConfig:
 
     @property
     def data_dir(self) -> Path:
-        return Path(self.run_dir) / "data"
+        return Path(self.shared_data_dir) if self.shared_data_dir else Path(self.run_dir) / "data"
 
 
 def load_config(path: str | Path) -> PipelineConfig:
@@ -65,7 +66,7 @@ def load_config(path: str | Path) -> PipelineConfig:
     for key in ("target", "run_dir"):
         if key not in raw:
             raise ConfigError(f"{path}: missing required key {key!r}")
-    extra = sorted(set(raw) - {"target", "run_dir", "data", "drafter", "train", "export_dir"})
+    extra = sorted(set(raw) - {"target", "run_dir", "data", "drafter", "train", "export_dir", "data_dir"})
     if extra:
         raise ConfigError(f"{path}: unknown top-level keys {extra}")
     train = _build(TrainConfig, raw.get("train"), f"{path}: train")
@@ -73,7 +74,8 @@ def load_config(path: str | Path) -> PipelineConfig:
     cfg = PipelineConfig(target=raw["target"], run_dir=raw["run_dir"],
                          data=_build(DataConfig, raw.get("data"), f"{path}: data"),
                          drafter=_build(DrafterSpec, raw.get("drafter"), f"{path}: drafter"),
-                         train=train, export_dir=raw.get("export_dir"), raw=raw)
+                         train=train, export_dir=raw.get("export_dir"),
+                         shared_data_dir=raw.get("data_dir"), raw=raw)
     cfg.data.out_dir = str(cfg.data_dir)
     from .fastpath import DTYPES
     if cfg.data.dtype not in DTYPES:

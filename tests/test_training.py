@@ -263,6 +263,16 @@ def test_config_rejects_an_unknown_data_dtype(tmp_path):
         load_config(path)
 
 
+def test_a_config_can_train_on_another_runs_data(tmp_path):
+    from dflashkit.pipeline import load_config
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"target": "t", "run_dir": str(tmp_path / "b"),
+                                    "data_dir": str(tmp_path / "a" / "data")}))
+    cfg = load_config(path)
+    assert cfg.data_dir == tmp_path / "a" / "data" == Path(cfg.data.out_dir)
+    assert cfg.train_dir == tmp_path / "b" / "train"
+
+
 def test_teacher_distributions_kept_while_regenerating_equal_a_fresh_forward(tiny_run):
     """The top-k kept from the generation pass are the target's distribution of each response
     token: the same as one forward pass over the finished sample (the backfill path), and
