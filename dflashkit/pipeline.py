@@ -112,14 +112,13 @@ def run_teacher_stage(cfg: PipelineConfig, target=None, forced: bool = False,
     if not (cfg.data_dir / "meta.json").exists():
         raise ConfigError(f"{cfg.data_dir}: the data stage is not complete; run it first (--stages data)")
     records = read_samples(cfg.data_dir)
-    todo = TeacherStore(cfg.data_dir).missing(records)
-    if not todo:
+    if not TeacherStore(cfg.data_dir).missing(records):
         print(f"teacher: complete ({len(records)} samples) in {cfg.data_dir}")
         return 0
     from .target import load_target
     target = target or load_target(cfg.target, dtype=cfg.data.dtype, progress=progress)
     k = cfg.data.teacher_top_k or 16
-    return backfill(target, cfg.data_dir, todo, k, per_shard=per_shard, progress=progress)
+    return backfill(target, cfg.data_dir, records, k, per_shard=per_shard, progress=progress)
 
 
 def run_train_and_export(cfg: PipelineConfig, progress: bool = True, export: bool = True) -> Path | None:

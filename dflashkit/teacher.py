@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .checkpoint import atomic_write
+from .shards import ShardReader, read_jsonl, repair_tail
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,21 +44,13 @@ class TeacherStore:
     def __init__(self, data_dir: str | Path, max_open: int = 8):
         self.dir = Path(data_dir) / "teacher"
         self.index_path = self.dir / "index.jsonl"
-        self.max_open = max_open
-        self._handles: OrderedDict[str, object] = OrderedDict()
+        self.shards = ShardReader(self.dir, max_open)
         self._index: dict[str, str] | None = None
 
     def index(self) -> dict[str, str]:
-        """sample id -> shard; a torn last line (a crash while appending) is ignored."""
+        """sample id -> shard."""
         if self._index is None:
-            self._index = {}
-            if self.index_path.exists():
-                for line in self.index_path.read_text().splitlines():
-                    try:
-                        entry = json.loads(line)
-                    except json.JSONDecodeError:
-                        break
-                    self._index[entry["id"]] = entry["shard"]
+            self._index = {e["id"]: e["shard"] for e in read_jsonl(self.index_path)}
         return self._index
 
     def write(self, rows: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -74,9 +65,7 @@ class TeacherStore:
             tensors[f"{sid}.ids"] = ids.to(torch.int32).contiguous()
             tensors[f"{sid}.logp"] = logp.to(torch.float16).contiguous()
         atomic_write(self.dir / shard, lambda tmp: save_file(tensors, tmp))
-        data = self.index_path.read_bytes() if self.index_path.exists() else b""
-        if data and not data.endswith(b"\n"):          # cut a torn line before appending
-            self.index_path.write_bytes(data[: data.rfind(b"\n") + 1])
+        repair_tail(self.index_path)
         with self.index_path.open("a") as f:
             for sid in rows:
                 f.write(json.dumps({"id": sid, "shard": shard}) + "\n")
@@ -88,14 +77,7 @@ class TeacherStore:
         shard = self.index().get(sample_id)
         if shard is None:
             raise KeyError(f"no teacher distributions for sample {sample_id!r} in {self.dir}")
-        if shard in self._handles:
-            self._handles.move_to_end(shard)
-        else:
-            self._handles[shard] = safe_open(str(self.dir / shard), framework="pt")
-            while len(self._handles) > self.max_open:
-                self._handles.popitem(last=False)
-        h = self._handles[shard]
-        return h.get_tensor(f"{sample_id}.ids").clone(), h.get_tensor(f"{sample_id}.logp").clone()
+        return self.shards.tensor(shard, f"{sample_id}.ids"), self.shards.tensor(shard, f"{sample_id}.logp")
 
     def missing(self, records: list[dict]) -> list[dict]:
         index = self.index()
@@ -127,8 +109,8 @@ def backfill(target, data_dir: str | Path, records: list[dict], k: int, per_shar
     return len(todo)
 
 
-def sequence_distributions(store: TeacherStore, record: dict, length: int,
-                           k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_distributions(store: TeacherStore, record: dict,
+                           length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position of the (truncated) sequence: teacher ids [length, k] (-1 where none: the
     prompt) and log-probs [length, k] (float32)."""
     ids, logp = store.get(record["id"])
@@ -137,11 +119,11 @@ def sequence_distributions(store: TeacherStore, record: dict, length: int,
         raise ValueError(f"teacher distributions of sample {record['id']!r} cover {ids.shape[0]} "
                          f"tokens, its response has {n}: the data changed after they were made; "
                          f"delete {store.dir} and rerun the teacher stage")
-    k = k or ids.shape[1]
+    k = ids.shape[1]
     out_ids = torch.full((length, k), -1, dtype=torch.long)
     out_logp = torch.full((length, k), float("-inf"))
     start = record["prompt_len"]
     rows = max(0, min(n, length - start))
-    out_ids[start:start + rows] = ids[:rows, :k].long()
-    out_logp[start:start + rows] = logp[:rows, :k].float()
+    out_ids[start:start + rows] = ids[:rows].long()
+    out_logp[start:start + rows] = logp[:rows].float()
     return out_ids, out_logp

@@ -92,19 +92,24 @@ def test_batched_regeneration_drops_finished_rows_exactly(tiny_run):
         torch.testing.assert_close(f.float(), ref, atol=0.05, rtol=0.02)
 
 
+def _interrupted_at_call(fn, n):
+    """``fn``, except that its n-th call raises KeyboardInterrupt (a simulated kill)."""
+    calls = {"n": 0}
+
+    def wrapped(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt("simulated interruption")
+        return fn(*a, **k)
+    return wrapped
+
+
 def test_data_stage_resumes_without_duplicates(tiny_run, tmp_path, monkeypatch):
     _, target = tiny_run
     import dflashkit.regenerate as regen
     cfg = DataConfig(out_dir=str(tmp_path / "data"), max_new_tokens=12, batch_size=3, feature_layers=LAYERS)
-    real, calls = regen._generate_batch, {"n": 0}
-
-    def dying(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt("simulated interruption")
-        return real(*a, **k)
-
-    monkeypatch.setattr(regen, "_generate_batch", dying)
+    real = regen._generate_batch
+    monkeypatch.setattr(regen, "_generate_batch", _interrupted_at_call(real, 3))
     with pytest.raises(KeyboardInterrupt):
         regenerate(target, _prompts(10, seed=1), cfg, progress=False)
     assert len(read_samples(tmp_path / "data")) == 6 and not (tmp_path / "data" / "meta.json").exists()
@@ -314,15 +319,8 @@ def test_teacher_backfill_resumes_and_training_refuses_data_without_it(tiny_run,
     cfg = load_config(cfg_path)
     with pytest.raises(ValueError, match="--stages teacher"):
         Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
-    real, calls = teacher_mod.response_logprobs, {"n": 0}
-
-    def dying(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 8:
-            raise KeyboardInterrupt("simulated interruption")
-        return real(*a, **k)
-
-    monkeypatch.setattr(teacher_mod, "response_logprobs", dying)
+    real = teacher_mod.response_logprobs
+    monkeypatch.setattr(teacher_mod, "response_logprobs", _interrupted_at_call(real, 8))
     with pytest.raises(KeyboardInterrupt):
         run_teacher_stage(cfg, target=target, progress=False, per_shard=5)
     store = teacher_mod.TeacherStore(cfg.data_dir)
