@@ -17,23 +17,28 @@ class BaselineResult:
     tokens: list[int]
     prefill_s: float   # time to first token
     decode_s: float    # after the first token
+    # tokens handed over with the first one: assisted and prompt-lookup generation verify
+    # drafts in the prefill pass, so their first delivery may hold several tokens
+    first_tokens: int = 1
 
     @property
     def decode_tokens_per_s(self) -> float:
-        n = len(self.tokens) - 1
+        n = len(self.tokens) - self.first_tokens
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
 class _FirstTokenClock(BaseStreamer):
-    """Timestamps the first generated token (generate's first put() is the prompt)."""
+    """Timestamps the first delivery of generated tokens and counts them (generate's first
+    put() is the prompt)."""
 
     def __init__(self):
-        self.puts, self.first_token_at = 0, None
+        self.puts, self.first_token_at, self.first_tokens = 0, None, 1
 
     def put(self, value):
         self.puts += 1
         if self.puts == 2 and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+            self.first_tokens = max(1, int(value.numel()))
 
     def end(self):
         pass
@@ -72,4 +77,5 @@ def hf_generate(target: Target, input_ids: list[int], max_new_tokens: int,
         end = time.perf_counter()
     tokens = cut_at_stop(out[0, len(input_ids):].tolist(), stops)
     first = clock.first_token_at or end
-    return BaselineResult(tokens=tokens, prefill_s=first - t0, decode_s=end - first)
+    return BaselineResult(tokens=tokens, prefill_s=first - t0, decode_s=end - first,
+                          first_tokens=min(clock.first_tokens, max(1, len(tokens))))

@@ -1,8 +1,9 @@
 """``dflashkit bench``: every method on the same prompts, interleaved, in one run.
 
 Methods run prompt by prompt in turn (so machine drift hits all alike) through the same
-target weights; each run becomes one record in ``records.jsonl``, written as it finishes, so
-an interrupted run resumes where it stopped. What the records mean (tau, speedup, the
+target weights; each run becomes one record in ``records.jsonl``, appended as it finishes, so
+an interrupted run resumes where it stopped (the file is rewritten, atomically, once a turn's
+references ran, to fill in every record's losslessness check). What the records mean (tau, speedup, the
 losslessness verdict) and the report drawn from them are in report.py.
 """
 
@@ -24,7 +25,8 @@ from .baselines import hf_generate
 from .checkpoint import atomic_write
 from .costs import cpu_model
 from .decoding import DFlashProposer, speculative_generate
-from .report import Record, attach_checks, mismatch_kind, summarize, write_report
+from .report import (Record, attach_checks, mismatch_kind, read_records, record_line, summarize,
+                     write_records, write_report)
 from .sampling import SamplingConfig
 from .suites import BenchPrompt, load_suite
 from .target import Target
@@ -38,15 +40,44 @@ class RunResult:
     acceptance_lengths: list[int] | None = None
     slot_accepted: list[int] | None = None
     slot_drafted: list[int] | None = None
+    first_tokens: int = 1      # tokens delivered with the first one (report.Record)
 
 
 Method = Callable[[list[int], int, SamplingConfig, list[int]], RunResult]
+
+
+METHOD_FORMS = "ar, ar-loop, dflash, dflash:B, dflash:auto, prompt-lookup, assisted:MODEL"
+
+
+def check_method_names(names: list[str]) -> None:
+    """Reject a bad --methods list before any model is loaded."""
+    if not names:
+        raise ValueError(f"--methods is empty; choose from {METHOD_FORMS}")
+    for name in names:
+        if name in ("ar", "ar-loop", "dflash", "prompt-lookup"):
+            continue
+        if name.startswith("dflash:"):
+            spec = name.split(":", 1)[1]
+            if spec != "auto" and not (spec.isdigit() and int(spec) >= 1):
+                raise ValueError(f"method {name!r}: the block size must be a positive integer or 'auto'")
+        elif name.startswith("assisted:"):
+            if not name.split(":", 1)[1].strip():
+                raise ValueError(f"method {name!r} names no draft model: write assisted:MODEL, e.g. "
+                                 f"assisted:smollm2-135m-instruct")
+        else:
+            raise ValueError(f"unknown method {name!r}; choose from {METHOD_FORMS}")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"--methods lists {duplicates} more than once")
+    if "ar" not in names:
+        raise ValueError("the methods must include 'ar' (the baseline of every ratio)")
 
 
 def make_methods(names: list[str], target: Target, drafter=None, block_size: int | str | None = None,
                  load_assistant: Callable[[str], object] | None = None) -> dict[str, Method]:
     """Resolve method names: ar, ar-loop, dflash, dflash:B, dflash:auto, prompt-lookup,
     assisted:MODEL (``load_assistant(name)`` returns a Target, or a bare model)."""
+    check_method_names(names)
     methods: dict[str, Method] = {}
     if drafter is not None and not isinstance(drafter, DFlashProposer):
         drafter = DFlashProposer(drafter, target)   # validate and prepare its LM head once
@@ -76,11 +107,6 @@ def make_methods(names: list[str], target: Target, drafter=None, block_size: int
                 kwargs.update(tokenizer=target.tokenizer, assistant_tokenizer=assistant.tokenizer)
             methods[name] = lambda ids, n, s, stops, kw=kwargs: _from_hf(
                 hf_generate(target, ids, n, s, stops, **kw))
-        else:
-            raise ValueError(f"unknown method {name!r}; choose from ar, ar-loop, dflash, "
-                             f"dflash:B, dflash:auto, prompt-lookup, assisted:MODEL")
-    if "ar" not in methods:
-        raise ValueError("the methods must include 'ar' (the baseline of every ratio)")
     return methods
 
 
@@ -116,7 +142,7 @@ def _dflash_block_size(name: str, default, proposer: DFlashProposer, target: Tar
 
 
 def _from_hf(r) -> RunResult:
-    return RunResult(r.tokens, r.prefill_s, r.decode_s)
+    return RunResult(r.tokens, r.prefill_s, r.decode_s, first_tokens=r.first_tokens)
 
 
 def _from_loop(r) -> RunResult:
@@ -125,23 +151,47 @@ def _from_loop(r) -> RunResult:
                      st.slot_drafted)
 
 
+# what must not change when a run resumes: the timings would not compare
+MACHINE_KEYS = ("cpu", "cores", "torch_threads", "torch", "transformers")
+
+
 def environment() -> dict:
+    from importlib import metadata
+    versions = {}
+    for package in ("tokenizers", "numpy", "reasoning-gym", "accelerate"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
     import transformers
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "python": platform.python_version(), "packages": versions, "dflashkit_commit": _git_commit(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _git_commit() -> str | None:
+    """The checkout's commit (with ``+changes`` when it has uncommitted edits), if it is one."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+changes" if dirty else "")) if head else None
 
 
 # --- the run -------------------------------------------------------------------------------
 
-def _same_run(old: dict | None, new: dict) -> bool:
-    """Whether a resumed run measures what the interrupted one did. A drafter is the same by
-    content: its path may differ (another checkout, a copy) when the sha256 agrees."""
-    if old is None:
-        return False
-    if old.get("drafter_sha256") and old.get("drafter_sha256") == new.get("drafter_sha256"):
-        old, new = {**old, "drafter": None}, {**new, "drafter": None}
-    return old == new
+def _differences(old: dict, new: dict) -> list[str]:
+    """Keys whose values differ between two run fingerprints. A drafter is the same by content:
+    its path may differ (another checkout, a copy) when the sha256 agrees."""
+    same_drafter = old.get("drafter_sha256") and old.get("drafter_sha256") == new.get("drafter_sha256")
+    return [k for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k) and not (k == "drafter" and same_drafter)]
 
 
 def _resume(out_dir: Path, fingerprint: dict, fresh: bool) -> dict[tuple, Record]:
@@ -150,56 +200,73 @@ def _resume(out_dir: Path, fingerprint: dict, fresh: bool) -> dict[tuple, Record
     run_file, log_file = out_dir / "run.json", out_dir / "records.jsonl"
     if fresh or not log_file.exists():
         atomic_write(run_file, lambda tmp: Path(tmp).write_text(json.dumps(fingerprint, indent=1)))
-        log_file.write_text("")
+        write_records(log_file, [])
         return {}
-    old = json.loads(run_file.read_text()) if run_file.exists() else None
-    if not _same_run(old, fingerprint):
-        raise ValueError(f"{out_dir} holds a bench run with a different configuration; pass another "
-                         f"--out, or --fresh to start this folder over")
+    if not run_file.exists():
+        raise ValueError(f"{out_dir} has records.jsonl but no run.json, so what it measured is unknown: "
+                         f"pass another --out, or --fresh to start this folder over")
+    changed = _differences(json.loads(run_file.read_text()), fingerprint)
+    if changed:
+        old = json.loads(run_file.read_text())
+        raise ValueError(f"{out_dir} holds a bench run with a different configuration ("
+                         + "; ".join(f"{k}: {old.get(k)!r} there, {fingerprint.get(k)!r} now" for k in changed)
+                         + "): pass another --out, or --fresh to start this folder over")
     done: dict[tuple, Record] = {}
-    lines = log_file.read_text().splitlines()
-    for line in lines:
-        try:
-            rec = Record(**json.loads(line))
-        except (json.JSONDecodeError, TypeError):
-            break     # a torn last line from an interrupted write
+    for rec in read_records(log_file):
         done[(rec.suite, rec.prompt_id, rec.turn, rec.method)] = rec
-    log_file.write_text("".join(json.dumps(asdict(r)) + "\n" for r in done.values()))
+    write_records(log_file, list(done.values()))   # without the torn line or duplicates
     return done
 
 
 def _run_environment(out_dir: Path, fresh_start: bool) -> dict:
     """The machine the records were measured on, written when the run starts; a resumed run
-    must use the same thread count, or its timings would not compare with the earlier ones."""
+    must run on the same CPU with the same threads and libraries, or its timings would not
+    compare with the earlier ones. Each resume is noted (the report says so)."""
     path = out_dir / "environment.json"
+    now = environment()
     if fresh_start or not path.exists():
-        env = environment()
-        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(env, indent=1)))
-        return env
+        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(now, indent=1)))
+        return now
     env = json.loads(path.read_text())
-    if env.get("torch_threads") != torch.get_num_threads():
-        raise ValueError(f"{out_dir} was measured with {env.get('torch_threads')} torch threads and "
-                         f"this process has {torch.get_num_threads()}: resume it with the same "
-                         f"thread count (OMP_NUM_THREADS={env.get('torch_threads')}) or pass --fresh")
+    changed = [k for k in MACHINE_KEYS if env.get(k) != now.get(k)]
+    if changed:
+        hint = (f" (resume with OMP_NUM_THREADS={env.get('torch_threads')})"
+                if "torch_threads" in changed else "")
+        raise ValueError(f"{out_dir} was measured with "
+                         + ", ".join(f"{k} {env.get(k)!r}" for k in changed) + " and this process has "
+                         + ", ".join(f"{k} {now.get(k)!r}" for k in changed)
+                         + f": its timings would not compare{hint}; pass --fresh to start over")
+    env["resumed_at"] = env.get("resumed_at", []) + [now["time"]]
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(env, indent=1)))
     return env
 
 
 def _say_mismatch(rec: Record, kind: str | None, text: str) -> None:
+    where = f"{rec.suite}/{rec.prompt_id} turn {rec.turn}"
     if kind == "failure":
-        print(f"\n\033[31mLOSSLESS CHECK FAILED\033[0m: {rec.method} differs from "
-              f"{'ar-loop' if rec.identical_to_ar_loop is False else 'ar'} on {rec.suite}/"
-              f"{rec.prompt_id} turn {rec.turn} (first difference from ar at generated position "
-              f"{rec.first_diff}); prompt: {text[:120]!r}", file=sys.stderr)
-    elif kind == "kernel" and rec.method == "ar-loop":
-        print(f"\nnote: bf16 ar-loop differs from ar on {rec.suite}/{rec.prompt_id} turn {rec.turn} "
-              f"at position {rec.first_diff} (one-row kernel rounding; dflash is checked against "
-              f"ar-loop)", file=sys.stderr)
+        against_loop = rec.method.startswith("dflash") and rec.identical_to_ar_loop is False
+        ref, pos = ("ar-loop", rec.first_diff_ar_loop) if against_loop else ("ar", rec.first_diff)
+        print(f"\n\033[31mLOSSLESS CHECK FAILED\033[0m: {rec.method} differs from {ref} on {where} "
+              f"at generated position {pos}; prompt: {text[:120]!r}", file=sys.stderr)
+    elif kind == "kernel":
+        reference = ("dflash is checked against ar-loop" if rec.method == "ar-loop" else
+                     "identical to ar-loop" if rec.method.startswith("dflash") else
+                     "HF's multi-row default kernels")
+        print(f"\nnote: bf16 {rec.method} differs from ar on {where} at position {rec.first_diff} "
+              f"(kernel rounding; {reference})", file=sys.stderr)
+
+
+def _warm_up(methods: dict[str, Method], ids: list[int], sampling: SamplingConfig, stops: list[int]) -> None:
+    """One short untimed run per method, so that no timed run pays one-time costs (lazy
+    initialisation, first-call allocations) for the others."""
+    for method in methods.values():
+        method(ids, 4, sampling, stops)
 
 
 def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num_prompts: int,
               max_new_tokens: int, sampling: SamplingConfig, seed: int, out_dir: Path,
               config: dict, progress: bool = True, max_turns: int | None = None,
-              fresh: bool = False) -> dict:
+              fresh: bool = False, warmup: bool = True) -> dict:
     """Run (or resume: same configuration, same --out) the benchmark; returns the report."""
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts: list[BenchPrompt] = [p for s in suites for p in load_suite(s, num_prompts, seed)]
@@ -218,43 +285,49 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
     done = _resume(out_dir, fingerprint, fresh)
     bf16 = target.dtype != torch.float32   # our loop may then differ from HF generate (mismatch_kind)
     env = _run_environment(out_dir, fresh_start=not done)
-    records: list[Record] = []
-    log = (out_dir / "records.jsonl").open("a")
     total_turns = sum(len(p.turns) for p in prompts)
-    bar = tqdm(total=total_turns * len(methods), disable=not progress, desc="bench")
+    log_path = out_dir / "records.jsonl"
+    logged: dict[tuple, Record] = dict(done)       # what records.jsonl holds, in its order
+    if warmup and prompts and len(done) < total_turns * len(methods):
+        _warm_up(methods, target.encode_prompt([{"role": "user", "content": prompts[0].turns[0]}]),
+                 sampling, stops)
+    records: list[Record] = []
     spec = next((m for m in methods if m.startswith("dflash")), None)
     names = list(methods)
-    for index, p in enumerate(prompts):
-        # interleaved: every method on this turn, each prompt in a rotated order, so that
-        # machine drift and whatever one method leaves in the caches hit every method alike
-        order = names[index % len(names):] + names[:index % len(names)]
-        history: dict[str, list[dict]] = {m: [] for m in methods}
-        for turn, text in enumerate(p.turns):
-            this_turn: list[Record] = []
-            measured: list[Record] = []
-            for name in order:
-                messages = history[name] + [{"role": "user", "content": text}]
-                rec = done.get((p.suite, p.id, turn, name))   # finished before an interruption
-                if rec is None:
-                    r = methods[name](target.encode_prompt(messages), max_new_tokens, sampling, stops)
-                    rec = Record(p.suite, p.id, turn, name, len(r.tokens), r.prefill_s, r.decode_s,
-                                 r.tokens, r.acceptance_lengths, r.slot_accepted, r.slot_drafted)
-                    attach_checks(this_turn + [rec], sampling.greedy)   # against references so far
-                    log.write(json.dumps(asdict(rec)) + "\n")
-                    log.flush()
-                    measured.append(rec)
-                this_turn.append(rec)
-                records.append(rec)
-                history[name] = messages + [{"role": "assistant", "content": target.decode(rec.tokens)}]
-                bar.update(1)
-            attach_checks(this_turn, sampling.greedy)
-            for rec in measured:
-                _say_mismatch(rec, mismatch_kind(rec, bf16), text)
-            summary = summarize(records, bf16)
-            if spec is not None:
-                e = summary.get(p.suite, {}).get(spec, {})
-                bar.set_postfix(suite=p.suite, tau=f"{e.get('tau', 0):.2f}",
-                                speedup=f"{e.get('speedup_vs_ar') or 0:.2f}x")
-    bar.close()
-    log.close()
+    with tqdm(total=total_turns * len(methods), disable=not progress, desc="bench") as bar:
+        for index, p in enumerate(prompts):
+            # interleaved: every method on this turn, each prompt in a rotated order, so that
+            # machine drift and whatever one method leaves in the caches hit every method alike
+            order = names[index % len(names):] + names[:index % len(names)]
+            history: dict[str, list[dict]] = {m: [] for m in methods}
+            for turn, text in enumerate(p.turns):
+                this_turn: list[Record] = []
+                measured: list[Record] = []
+                for name in order:
+                    messages = history[name] + [{"role": "user", "content": text}]
+                    key = (p.suite, p.id, turn, name)
+                    rec = done.get(key)   # finished before an interruption
+                    if rec is None:
+                        r = methods[name](target.encode_prompt(messages), max_new_tokens, sampling, stops)
+                        rec = Record(p.suite, p.id, turn, name, len(r.tokens), r.prefill_s, r.decode_s,
+                                     r.tokens, r.acceptance_lengths, r.slot_accepted, r.slot_drafted,
+                                     first_tokens=r.first_tokens)
+                        with log_path.open("a") as log:   # kept at once; checks come at the turn's end
+                            log.write(record_line(rec))
+                        logged[key] = rec
+                        measured.append(rec)
+                    this_turn.append(rec)
+                    records.append(rec)
+                    history[name] = messages + [{"role": "assistant", "content": target.decode(rec.tokens)}]
+                    bar.update(1)
+                attach_checks(this_turn, sampling.greedy)
+                if measured:
+                    write_records(log_path, list(logged.values()))   # with this turn's checks
+                for rec in measured:
+                    _say_mismatch(rec, mismatch_kind(rec, bf16), text)
+                summary = summarize(records, bf16)
+                if spec is not None:
+                    e = summary.get(p.suite, {}).get(spec, {})
+                    bar.set_postfix(suite=p.suite, tau=f"{e.get('tau', 0):.2f}",
+                                    speedup=f"{e.get('speedup_vs_ar') or 0:.2f}x")
     return write_report(out_dir, records, fingerprint, config, env, expected=len(records))

@@ -11,9 +11,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def shipped_drafter(target_name: str) -> Path | None:
-    """The drafter committed under checkpoints/ for a registry target, if there is one."""
+    """The drafter committed under checkpoints/ for a registry target, if there is one (a
+    target given as a local folder has none)."""
+    from .models import REGISTRY
+    if target_name not in REGISTRY:
+        return None
     path = REPO_ROOT / "checkpoints" / target_name
-    return path if (path / "config.json").exists() else None
+    return path if (path / "config.json").exists() and (path / "model.safetensors").exists() else None
 
 
 def _positive_int(text: str) -> int:
@@ -171,23 +175,31 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import make_methods, run_bench
+    from .bench import check_method_names, make_methods, run_bench
     from .report import report_from_folder
     from .checkpoint import drafter_digest, load_drafter
     from .sampling import SamplingConfig
-    from .suites import STAND_INS
+    from .suites import STAND_INS, load_suite
     from .target import load_target
     if args.report_only:
         report = report_from_folder(args.out)
         print((args.out / "report.md").read_text())
-        return 0 if report["lossless"] else 3
+        return 3 if report["lossless"] is False else 0
     if not args.target:
         raise ValueError("bench needs --target NAME (or --report-only to redraw the report in --out)")
+    # every input checked before a model loads (a minute or more)
     suites = [x.strip() for x in args.suites.split(",") if x.strip()]
+    if not suites:
+        raise ValueError(f"--suites is empty; choose from {', '.join(STAND_INS)}")
     bad = [x for x in suites if x not in STAND_INS]
     if bad:
         raise ValueError(f"--suites: unknown {bad}; choose from {', '.join(STAND_INS)}")
+    if len(set(suites)) < len(suites):
+        raise ValueError(f"--suites lists a suite more than once: {args.suites}")
+    for suite in suites:
+        load_suite(suite, args.num_prompts, args.seed)   # its package is installed, its data reads
     names = [x.strip() for x in args.methods.split(",") if x.strip()]
+    check_method_names(names)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     drafter_path = args.drafter or shipped_drafter(args.target)
     wants_drafter = any(n == "dflash" or n.startswith("dflash:") for n in names)
@@ -205,7 +217,7 @@ def cmd_bench(args) -> int:
     report = run_bench(target, methods, suites, args.num_prompts, args.max_new_tokens, sampling,
                        args.seed, args.out, config, max_turns=args.max_turns, fresh=args.fresh)
     print((args.out / "report.md").read_text())
-    return 0 if report["lossless"] else 3
+    return 3 if report["lossless"] is False else 0
 
 
 def cmd_bench_cost(args) -> int:

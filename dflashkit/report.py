@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .checkpoint import atomic_write
@@ -38,15 +38,60 @@ class Record:
     # Our own plain loop on the same execution path: the exact reference of the bf16 path,
     # where HF generate's one-token kernel rounds differently (fastpath.py).
     identical_to_ar_loop: bool | None = None
+    first_diff_ar_loop: int | None = None
+    # Tokens delivered with the first one: Hugging Face's speculative methods verify drafts in
+    # their prefill pass and hand over several tokens at once; those are not decode tokens.
+    first_tokens: int = 1
 
     @property
     def decode_tokens(self) -> int:
-        return max(0, self.num_tokens - 1)
+        return max(0, self.num_tokens - self.first_tokens)
 
     @property
     def tau(self) -> float | None:
         a = self.acceptance_lengths
         return sum(a) / len(a) if a else None
+
+
+_FIELDS = {f.name for f in fields(Record)}
+
+
+def record_line(rec: Record, ar: Record | None = None) -> str:
+    """One line of records.jsonl: the raw fields, and under ``metrics`` what a reader would
+    otherwise derive (decode tokens/s, TTFT, tau, speedup over the same turn's ``ar``)."""
+    rate = rec.decode_tokens / rec.decode_s if rec.decode_s > 0 and rec.decode_tokens else None
+    ar_rate = ar.decode_tokens / ar.decode_s if ar and ar.decode_s > 0 and ar.decode_tokens else None
+    metrics = {"decode_tokens_per_s": rate, "ttft_s": rec.prefill_s, "tau": rec.tau,
+               "speedup_vs_ar": rate / ar_rate if rate and ar_rate else None}
+    return json.dumps({**asdict(rec), "metrics": metrics}) + "\n"
+
+
+def write_records(path: Path, records: list[Record]) -> None:
+    """Rewrite records.jsonl atomically, each line with its derived metrics."""
+    ars = {(r.suite, r.prompt_id, r.turn): r for r in records if r.method == "ar"}
+    text = "".join(record_line(r, ars.get((r.suite, r.prompt_id, r.turn))) for r in records)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def read_records(path: Path) -> list[Record]:
+    """The records of a run; a torn last line (a run killed while writing it) is dropped, any
+    other unreadable line is an error rather than a silent loss of what follows it."""
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+            unknown = set(row) - _FIELDS - {"metrics"}
+            if unknown:
+                raise ValueError(f"unknown fields {sorted(unknown)}")
+            out.append(Record(**{k: v for k, v in row.items() if k in _FIELDS}))
+        except (json.JSONDecodeError, TypeError, ValueError, AttributeError) as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}, line {i + 1}: not a bench record ({e}); it was written by "
+                             f"another version or edited by hand: fix or remove that line, or "
+                             f"start over with --fresh") from None
+    return out
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -67,7 +112,8 @@ def attach_checks(records: list[Record], greedy: bool = True) -> None:
         turn = (r.suite, r.prompt_id, r.turn)
         ar, loop = refs.get(turn + ("ar",)), refs.get(turn + ("ar-loop",))
         if loop is not None and r.method not in ("ar", "ar-loop"):
-            r.identical_to_ar_loop = r.tokens == loop.tokens
+            r.first_diff_ar_loop = first_difference(loop.tokens, r.tokens)
+            r.identical_to_ar_loop = r.first_diff_ar_loop is None
         if ar is not None and r.method != "ar":
             r.first_diff = first_difference(ar.tokens, r.tokens)
             r.identical_to_ar = r.first_diff is None
@@ -122,7 +168,7 @@ def summarize(records: list[Record], bf16: bool = False) -> dict:
     """Per suite x method: tokens/s, pooled speedup over ar with spread, tau, slots, histogram.
     ``bf16``: our loop may differ from HF generate by kernel rounding (see mismatch_kind)."""
     out: dict = {}
-    keys = sorted({(r.suite, r.method) for r in records})
+    keys = list(dict.fromkeys((r.suite, r.method) for r in records))   # suites in run order
     by_prompt = {(r.suite, r.prompt_id, r.turn, r.method): r for r in records}
     for suite, method in keys:
         rs = [r for r in records if r.suite == suite and r.method == method]
@@ -145,33 +191,38 @@ def summarize(records: list[Record], bf16: bool = False) -> dict:
             "kernel_differences": sum(1 for r in rs if mismatch_kind(r, bf16) == "kernel"),
             "mismatches_vs_ar_loop": sum(1 for r in rs if r.identical_to_ar_loop is False),
         }
-        taus = [r.tau for r in rs if r.tau is not None]
-        if taus:
-            entry["tau"] = sum(taus) / len(taus)
+        lengths = [x for r in rs for x in (r.acceptance_lengths or [])]
+        if lengths:
+            # pooled over every verify step of the suite, like the histogram beside it
+            entry["tau"] = sum(lengths) / len(lengths)
             acc = [sum(x) for x in zip(*[r.slot_accepted for r in rs if r.slot_accepted])]
             dra = [sum(x) for x in zip(*[r.slot_drafted for r in rs if r.slot_drafted])]
             entry["slot_acceptance"] = [a / d if d else 0.0 for a, d in zip(acc, dra)]
-            lengths = [x for r in rs for x in (r.acceptance_lengths or [])]
             entry["acceptance_histogram"] = {str(k): lengths.count(k) for k in range(1, max(lengths) + 1)}
         out.setdefault(suite, {})[method] = entry
     return out
 
 
-def lossless_verdict(records: list[Record], sampling, bf16: bool = False) -> tuple[bool, str]:
-    """(no output changed by speculation or by our kernels, the report's paragraph on it)."""
+def lossless_verdict(records: list[Record], sampling, bf16: bool = False) -> tuple[bool | None, str]:
+    """(no output changed by speculation or by our kernels, the report's paragraph on it);
+    None for a sampling run, whose outputs are not compared token by token."""
     if not sampling.greedy:
-        return True, ""
+        return None, (f"Sampling run (temperature {sampling.temperature}): outputs are not compared "
+                      f"token by token, since two lossless samplers draw different texts. That "
+                      f"speculative sampling keeps the target's distribution is tested "
+                      f"(`tests/test_sampling.py`), not measured here.\n")
     kinds = [(r, mismatch_kind(r, bf16)) for r in records]
     failures = [r for r, k in kinds if k == "failure"]
     kernel = [r for r, k in kinds if k == "kernel"]
+    others = [r for r in records if r.method != "ar"]
+    unchecked = sum(1 for r in others if r.identical_to_ar is None and r.identical_to_ar_loop is None)
     lines = []
     if not failures and not kernel:
-        lines.append("Lossless: every greedy output identical to `ar`.")
+        lines.append("Lossless: every greedy output identical to `ar`." if not unchecked else
+                     f"Lossless so far: {len(others) - unchecked} of {len(others)} outputs checked "
+                     f"(the rest wait for their turn's `ar` run), every one identical to `ar`.")
     elif failures:
-        lines.append("**LOSSLESS CHECK FAILED**: " + "; ".join(
-            f"`{r.method}` differs on {r.suite}/{r.prompt_id} turn {r.turn} at generated position "
-            f"{r.first_diff}" + ("" if _ours(r.method) else " (a Hugging Face method: its reference is `ar`)")
-            for r in failures) + ".")
+        lines.append("**LOSSLESS CHECK FAILED**: " + "; ".join(_describe_failure(r) for r in failures) + ".")
         if bf16 and not any(r.method == "ar-loop" for r in records):
             lines.append("In bf16 our loop may differ from `ar` by kernel rounding alone: add `ar-loop` "
                          "to --methods to tell that apart from a speculation failure.")
@@ -185,20 +236,33 @@ def lossless_verdict(records: list[Record], sampling, bf16: bool = False) -> tup
                      f"speculation) differ from `ar` (HF generate) in bf16, and each dflash one "
                      f"equals `ar-loop`: PyTorch's one-row bf16 kernel rounds differently from "
                      f"oneDNN's packed one, so where two logits tie the paths can pick different "
-                     f"tokens (README, bf16). In fp32 every path must equal `ar`.")
+                     f"tokens (README, bf16). In fp32 every path must equal `ar`. First differing "
+                     f"positions: " + _positions(ours) + ".")
     theirs = [r for r in kernel if not _ours(r.method)]
     if theirs:
         lines.append(f"{len(theirs)} outputs of Hugging Face's own speculative methods differ from "
                      f"`ar` in bf16: they verify several tokens per pass with PyTorch's default "
                      f"kernels, whose multi-row bf16 results round differently from `ar`'s one-token "
                      f"steps (README, bf16); not a failure of dflashkit, and in fp32 they must equal "
-                     f"`ar`: " + "; ".join(f"`{r.method}` on {r.suite}/{r.prompt_id} turn {r.turn} at "
-                                           f"position {r.first_diff}" for r in theirs) + ".")
+                     f"`ar`: " + _positions(theirs) + ".")
     checked = [r for r in records if r.identical_to_ar_loop is not None]
     if checked:
         bad = sum(1 for r in checked if not r.identical_to_ar_loop)
         lines.append(f"Against `ar-loop`: {len(checked) - bad} of {len(checked)} outputs identical.")
     return not failures, "\n\n".join(lines) + "\n"
+
+
+def _positions(records: list[Record]) -> str:
+    return "; ".join(f"`{r.method}` on {r.suite}/{r.prompt_id} turn {r.turn} at position {r.first_diff}"
+                     for r in records)
+
+
+def _describe_failure(r: Record) -> str:
+    if r.method.startswith("dflash") and r.identical_to_ar_loop is False:
+        return (f"`{r.method}` differs from `ar-loop` on {r.suite}/{r.prompt_id} turn {r.turn} at "
+                f"generated position {r.first_diff_ar_loop}")
+    return (f"`{r.method}` differs from `ar` on {r.suite}/{r.prompt_id} turn {r.turn} at generated "
+            f"position {r.first_diff}" + ("" if _ours(r.method) else " (a Hugging Face method: its reference is `ar`)"))
 
 
 def markdown_table(summary: dict, methods: list[str]) -> str:
@@ -347,6 +411,17 @@ def plot(summary: dict, methods: list[str], out: Path) -> list[Path]:
     return paths
 
 
+def _resumes(env: dict, run: dict) -> str:
+    times = env.get("resumed_at") or []
+    if not times:
+        return ""
+    adaptive = [m for m in run["methods"]
+                if m.endswith(":auto") or (m == "dflash" and run.get("block_size") == "auto")]
+    return (f" Resumed {len(times)} time(s) ({', '.join(times)})" + (
+        f"; the adaptive block size of {', '.join(f'`{m}`' for m in adaptive)} restarted its "
+        f"acceptance statistics at each resume (they forget within ~100 steps anyway)" if adaptive else "") + ".")
+
+
 def _dtype_name(dtype: str) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -361,9 +436,12 @@ def write_report(out_dir: Path, records: list[Record], run: dict, config: dict, 
     summary = summarize(records, bf16)
     names, suites = list(run["methods"]), list(run["suites"])
     lossless, verdict = lossless_verdict(records, sampling, bf16)
+    checked = [r.identical_to_ar for r in records if r.identical_to_ar is not None]
     report = {"config": config, "environment": env,
               "stand_ins": {s: STAND_INS[s] for s in suites}, "summary": summary,
-              "lossless": lossless, "identical_to_ar": all(r.identical_to_ar is not False for r in records),
+              "lossless": lossless,
+              # null where nothing was compared (a sampling run, or no ar run yet)
+              "identical_to_ar": all(checked) if checked else None, "records_checked": len(checked),
               "records": len(records), "expected_records": expected}
     paired, paired_md = paired_tables(records, names)
     if paired:
@@ -380,20 +458,24 @@ def write_report(out_dir: Path, records: list[Record], run: dict, config: dict, 
           f"{sampling.temperature}, seed {run['seed']}"
           f"{f', first {max_turns} turn(s) of each prompt only' if max_turns else ''}. "
           f"{_dtype_name(run['dtype'])} weights. {env['cpu']}, {env['torch_threads']} threads, "
-          f"torch {env['torch']}, transformers {env['transformers']}.\n\n"
-          f"Cells: tau (mean acceptance length, dflash only), decode tokens/s, pooled decode "
+          f"torch {env['torch']}, transformers {env['transformers']}.{_resumes(env, run)}\n\n"
+          f"Cells: tau (mean tokens committed per target pass, pooled over the suite's steps; "
+          f"1.00 for `ar-loop` by construction), decode tokens/s, pooled decode "
           f"speedup over `ar` (Hugging Face generate) and, in brackets, over `ar-loop` (our own "
           f"plain loop on the same execution path: what speculation itself buys).\n\n{table}\n"
           + verdict
           + "\nStand-ins:\n" + "".join(f"- `{s}`: {STAND_INS[s]}\n" for s in suites)
           + "\n## Per suite\n\nA run is one prompt turn of one method (MT-Bench has two turns). TTFT: "
-            "prefill and first token. Per-slot acceptance: P(draft slot k accepted | drafted). "
+            "prefill and first token (Hugging Face's speculative methods may hand over several "
+            "tokens with it; those are not counted as decode tokens). Per-slot acceptance: P(draft "
+            "slot k accepted | drafted); a slot counts as accepted only when every slot before it "
+            "was, so the curve falls by construction. "
             "Plots: `speedup.png`, `acceptance.png` (per-slot acceptance and acceptance-length "
             "histogram of the first dflash method); every record in `records.jsonl`.\n\n"
           + details_tables(summary, names)
           + ("\n## Paired comparisons\n\nBootstrap over prompt-turns (4,000 resamples, seed 0); "
              "a ratio above 1 means the first method decoded faster.\n\n" + paired_md if paired else ""))
-    (out_dir / "report.md").write_text(md)
+    atomic_write(out_dir / "report.md", lambda tmp: Path(tmp).write_text(md))
     plot(summary, names, out_dir)
     return report
 
@@ -407,12 +489,9 @@ def report_from_folder(out_dir: Path) -> dict:
         raise ValueError(f"{out_dir} holds no bench run ({', '.join(missing)} missing): pass the "
                          f"--out folder of a `dflashkit bench` run")
     run = json.loads(run_file.read_text())
-    records = []
-    for line in log_file.read_text().splitlines():
-        try:
-            records.append(Record(**json.loads(line)))
-        except (json.JSONDecodeError, TypeError):
-            break     # a torn last line: the run was killed while writing it
+    records = read_records(log_file)
+    attach_checks(records, SamplingConfig(**run["sampling"]).greedy)
+    write_records(log_file, records)   # every line with its checks and metrics (an older run's too)
     prompts = [p for s in run["suites"] for p in load_suite(s, run["num_prompts"], run["seed"])]
     turns = sum(len(p.turns[:run["max_turns"]] if run.get("max_turns") else p.turns) for p in prompts)
     summary_file = out_dir / "summary.json"

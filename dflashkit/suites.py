@@ -62,7 +62,10 @@ def _mtbench() -> list[BenchPrompt]:
 
 
 def _reasoning_gym(suite: str, families: tuple[str, ...], n: int) -> list[BenchPrompt]:
-    import reasoning_gym
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise FileNotFoundError(f"suite {suite} needs the package: pip install reasoning-gym==0.1.25") from None
     out = []
     per = max(1, -(-n // len(families)))
     for fam in families:
@@ -104,6 +107,9 @@ def load_suite(name: str, num_prompts: int, seed: int = 0) -> list[BenchPrompt]:
         pool = _zh()
     else:
         raise ValueError(f"unknown suite {name!r}; choose from {', '.join(STAND_INS)}")
+    ids = [p.id for p in pool]
+    if len(set(ids)) < len(ids):   # records are keyed by prompt id: a twin would pair wrong runs
+        raise ValueError(f"suite {name} has duplicate prompt ids; its source data changed")
     if num_prompts >= len(pool):
         return pool
     keep = sorted(random.Random(f"{seed}-{name}").sample(range(len(pool)), num_prompts))

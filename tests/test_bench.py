@@ -30,7 +30,8 @@ def test_pooled_speedup_tau_and_histogram():
     # ar: 30 decode tokens in 5.0 s; dflash: 30 in 1.5 s -> pooled 3.33x (not the mean of 2x and 4x).
     assert s["dflash"]["speedup_vs_ar"] == pytest.approx((5.0 / 30) / (1.5 / 30))
     assert s["dflash"]["speedup_per_prompt"]["median"] == pytest.approx(3.0)
-    assert s["dflash"]["tau"] == pytest.approx(((2 + 4 + 4) / 3 + (1 + 1 + 2 + 4) / 4) / 2)
+    # pooled over every verify step, like the histogram: 18 tokens in 7 steps
+    assert s["dflash"]["tau"] == pytest.approx((2 + 4 + 4 + 1 + 1 + 2 + 4) / 7)
     assert s["dflash"]["acceptance_histogram"] == {"1": 2, "2": 2, "3": 0, "4": 3}
     assert s["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     assert s["dflash"]["slot_acceptance"][0] == pytest.approx(5 / 7)
@@ -149,7 +150,9 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
     monkeypatch.setattr(type(target), "encode_prompt",
                         lambda self, msgs, chat=True: [3 + (ord(c) % 80) for m in msgs for c in m["content"][:20]])
     monkeypatch.setattr(type(target), "decode", lambda self, ids: "".join(chr(97 + i % 26) for i in ids))
-    prompts = {"humaneval": [BenchPrompt("humaneval", "h1", ["def f(x): return x"])],
+    # three prompts: with the order rotated per prompt, some methods run before ar and ar-loop
+    prompts = {"humaneval": [BenchPrompt("humaneval", "h1", ["def f(x): return x"]),
+                             BenchPrompt("humaneval", "h2", ["def g(y): return 2 * y"])],
                "mtbench": [BenchPrompt("mtbench", "m1", ["Hello there", "And again"])]}
     monkeypatch.setattr("dflashkit.bench.load_suite", lambda s, n, seed: prompts[s])
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))   # dflash:auto's cost curve
@@ -160,8 +163,15 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
                        {"target": "tiny"}, progress=False)
     assert report["lossless"], "a method differs from ar at temperature 0"
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
-    assert len(lines) == 7 * 3                      # 7 methods x (1 + 2 turns)
+    assert len(lines) == 7 * 4                      # 7 methods x (1 + 1 + 2 turns)
     assert {json.loads(x)["method"] for x in lines} == set(methods)
+    rows = [json.loads(x) for x in lines]
+    for row in rows:                                # every line checked and with its metrics
+        if row["method"] != "ar":
+            assert row["identical_to_ar"] is True and row["first_diff"] is None, row["method"]
+        assert row["first_tokens"] >= 1 and row["metrics"]["decode_tokens_per_s"] > 0
+        assert row["metrics"]["speedup_vs_ar"] > 0 and row["metrics"]["ttft_s"] == row["prefill_s"]
+        assert (row["metrics"]["tau"] is None) == (row["acceptance_lengths"] is None)
     for name in ("summary.json", "report.md", "speedup.png", "acceptance.png"):
         assert (tmp_path / name).exists(), name
     assert "tau" in report["summary"]["mtbench"]["dflash"]
@@ -170,7 +180,7 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
     checked = [json.loads(x) for x in lines if json.loads(x)["method"] not in ("ar", "ar-loop")]
     assert all(r["identical_to_ar_loop"] is True for r in checked)
     md = (tmp_path / "report.md").read_text()
-    assert "15 of 15 outputs identical" in md
+    assert "20 of 20 outputs identical" in md
     assert "### mtbench" in md and "| dflash:auto | 2 |" in md and "TTFT" in md   # both turns counted
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
         make_methods(["ar", "dflash:zero"], target, drafter)
@@ -207,7 +217,7 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
         config = {"target": "tiny", "drafter": "/checkout/a/drafter", "drafter_sha256": "s1"}
         args = (target, methods, ["humaneval"], 4, 6, SamplingConfig(), 0, tmp_path, config)
         with pytest.raises(KeyboardInterrupt):
-            run_bench(*args, progress=False)
+            run_bench(*args, progress=False, warmup=False)
         assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 5
         assert order[:5] == ["ar", "ar-loop", "ar-loop", "ar", "ar"]    # rotated per prompt
         with open(tmp_path / "records.jsonl", "a") as f:
@@ -217,7 +227,7 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
         assert partial["summary"]["humaneval"]["ar"]["prompts"] == 3
         assert "Partial run: 5 of 8 method runs" in (tmp_path / "report.md").read_text()
         calls.update(n=0, limit=100)
-        report = run_bench(*args, progress=False)
+        report = run_bench(*args, progress=False, warmup=False)
         assert calls["n"] == 3                                  # only the 3 missing runs
         lines = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
         assert len(lines) == 8 and len({(x["prompt_id"], x["method"]) for x in lines}) == 8
@@ -226,21 +236,145 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
         calls.update(n=0)                  # the same drafter bytes from another checkout: resumes
         run_bench(target, methods, ["humaneval"], 4, 6, SamplingConfig(), 0, tmp_path,
                   {**config, "drafter": "/checkout/b/drafter"}, progress=False)
-        assert calls["n"] == 0
-        with pytest.raises(ValueError, match="different configuration"):
+        assert calls["n"] == 0                  # nothing left to run: no warm-up either
+        assert len(report_env(tmp_path)["resumed_at"]) == 2
+        assert "Resumed 2 time(s)" in (tmp_path / "report.md").read_text()
+        with pytest.raises(ValueError, match="max_new_tokens: 6 there, 7 now"):
             run_bench(target, methods, ["humaneval"], 4, 7, SamplingConfig(), 0, tmp_path,
                       config, progress=False)
         with pytest.raises(ValueError, match="different configuration"):   # drafter retrained in place
             run_bench(target, methods, ["humaneval"], 4, 6, SamplingConfig(), 0, tmp_path,
                       {**config, "drafter_sha256": "another"}, progress=False)
-        env = json.loads((tmp_path / "environment.json").read_text())
-        assert report["environment"] == env          # the machine of the first start, kept
+        env = report_env(tmp_path)
+        assert report["environment"]["time"] == env["time"]    # the machine of the first start, kept
         (tmp_path / "environment.json").write_text(json.dumps({**env, "torch_threads": 99}))
-        with pytest.raises(ValueError, match="99 torch threads"):   # timings would not compare
+        with pytest.raises(ValueError, match="torch_threads 99.*OMP_NUM_THREADS=99"):
+            run_bench(*args, progress=False)                   # timings would not compare
+        (tmp_path / "environment.json").write_text(json.dumps({**env, "transformers": "0.0.1"}))
+        with pytest.raises(ValueError, match="transformers '0.0.1'"):
             run_bench(*args, progress=False)
+        (tmp_path / "environment.json").write_text(json.dumps(env))
+        lines = (tmp_path / "records.jsonl").read_text().splitlines()
+        (tmp_path / "records.jsonl").write_text("\n".join(lines[:3] + ['{"suite": 1'] + lines[3:]) + "\n")
+        with pytest.raises(ValueError, match="line 4: not a bench record"):   # never a silent loss
+            run_bench(*args, progress=False)
+        assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 9   # left as it was
         calls.update(n=0)
-        run_bench(*args, progress=False, fresh=True)
+        run_bench(*args, progress=False, fresh=True, warmup=False)
         assert calls["n"] == 8
+
+
+def report_env(folder):
+    return json.loads((folder / "environment.json").read_text())
+
+
+def _tiny_bench(monkeypatch, prompts):
+    """A tiny target whose 'tokenizer' maps characters to ids, serving ``prompts``."""
+    target = tiny_target("qwen2", seed=3)
+
+    class Tok:
+        chat_template = "x"
+
+    target.tokenizer = Tok()
+    monkeypatch.setattr(type(target), "encode_prompt",
+                        lambda self, msgs, chat=True: [3 + (ord(c) % 80) for m in msgs for c in m["content"]])
+    monkeypatch.setattr(type(target), "decode", lambda self, ids: "x" * len(ids))
+    monkeypatch.setattr("dflashkit.bench.load_suite", lambda s, n, seed: prompts)
+    monkeypatch.setattr("dflashkit.report.load_suite", lambda s, n, seed: prompts)
+    return target
+
+
+def test_an_injected_mismatch_fails_the_run_loudly(tmp_path, monkeypatch, capsys):
+    """A speculative method whose output changes one token is reported as a failure with the
+    prompt and the position, in the report, in stderr and in the records."""
+    prompts = [BenchPrompt("humaneval", f"h{i}", [f"task number {i}"]) for i in range(3)]
+    target = _tiny_bench(monkeypatch, prompts)
+    drafter = init_drafter(config_for_target(target, num_layers=1, block_size=4, mask_token_id=MASK))
+    methods = make_methods(["ar", "ar-loop", "dflash"], target, drafter, block_size=4)
+    honest = methods["dflash"]
+
+    def corrupted(ids, n, s, stops):
+        r = honest(ids, n, s, stops)
+        if ids[-1] == 3 + ord("2") % 80:                         # only on prompt h2, token 5
+            r.tokens = r.tokens[:5] + [(r.tokens[5] + 1) % 100] + r.tokens[6:]
+        return r
+
+    methods["dflash"] = corrupted
+    report = run_bench(target, methods, ["humaneval"], 3, 10, SamplingConfig(), 0, tmp_path,
+                       {"target": "tiny"}, progress=False)
+    assert report["lossless"] is False and report["identical_to_ar"] is False
+    assert report["summary"]["humaneval"]["dflash"]["mismatches"] == 1
+    err = capsys.readouterr().err
+    assert "LOSSLESS CHECK FAILED" in err and "humaneval/h2 turn 0 at generated position 5" in err
+    md = (tmp_path / "report.md").read_text()
+    assert "**LOSSLESS CHECK FAILED**: `dflash` differs from `ar-loop` on humaneval/h2 turn 0 at generated position 5" in md
+    bad = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()
+           if '"identical_to_ar_loop": false' in x]
+    assert [(r["prompt_id"], r["first_diff_ar_loop"], r["first_diff"]) for r in bad] == [("h2", 5, 5)]
+
+
+def test_a_sampling_run_does_not_claim_identical_outputs(tmp_path, monkeypatch):
+    prompts = [BenchPrompt("chat", f"c{i}", [f"say something {i}"]) for i in range(2)]
+    target = _tiny_bench(monkeypatch, prompts)
+    drafter = init_drafter(config_for_target(target, num_layers=1, block_size=4, mask_token_id=MASK))
+    methods = make_methods(["ar", "ar-loop", "dflash"], target, drafter, block_size=4)
+    report = run_bench(target, methods, ["chat"], 2, 8, SamplingConfig(temperature=1.0, seed=1), 0,
+                       tmp_path, {"target": "tiny"}, progress=False)
+    assert report["lossless"] is None and report["identical_to_ar"] is None
+    assert report["records_checked"] == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "Sampling run (temperature 1.0): outputs are not compared" in md and "Lossless" not in md
+    rows = [json.loads(x) for x in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert all(r["identical_to_ar"] is None and r["identical_to_ar_loop"] is None for r in rows)
+
+
+def test_hugging_face_first_delivery_is_counted_out_of_decode_tokens():
+    """Assisted and prompt-lookup generation hand over several tokens with the first one; the
+    decode rate counts only what came after it."""
+    from dflashkit.baselines import _FirstTokenClock
+    clock = _FirstTokenClock()
+    clock.put(torch.zeros(1, 30))            # the prompt
+    clock.put(torch.zeros(1, 4))             # prefill + 3 accepted drafts
+    clock.put(torch.zeros(1, 2))
+    assert clock.first_tokens == 4 and clock.first_token_at is not None
+    r = Record("s", "a", 0, "prompt-lookup", 24, 0.5, 2.0, [1] * 24, first_tokens=4)
+    assert r.decode_tokens == 20
+    assert Record("s", "a", 0, "ar", 24, 0.5, 2.0, [1] * 24).decode_tokens == 23
+
+
+def test_bad_bench_input_is_refused_before_any_model_loads(capsys, monkeypatch):
+    from dflashkit import cli
+    monkeypatch.setattr("dflashkit.target.load_target",
+                        lambda *a, **k: pytest.fail("a model was loaded before the input was checked"))
+    cases = [(["--suites", "humaneval,nope"], "unknown ['nope']"),
+             (["--suites", " , "], "--suites is empty"),
+             (["--methods", "ar,dflash,turbo"], "unknown method 'turbo'"),
+             (["--methods", "ar,assisted:"], "names no draft model"),
+             (["--methods", "ar,dflash:0"], "positive integer or 'auto'"),
+             (["--methods", "ar-loop,dflash"], "must include 'ar'"),
+             (["--methods", "ar,ar"], "more than once")]
+    for extra, message in cases:
+        code = cli.main(["bench", "--target", "qwen2.5-coder-0.5b-instruct", "--suites", "humaneval",
+                         "--num-prompts", "2", *extra])
+        assert code == 2, extra
+        assert message in capsys.readouterr().err, extra
+    assert cli.shipped_drafter("/some/local/hf_folder") is None      # a folder target ships none
+    assert cli.shipped_drafter("qwen2.5-coder-0.5b-instruct") is not None
+    code = cli.main(["bench", "--target", "/some/local/hf_folder", "--suites", "humaneval",
+                     "--methods", "ar,dflash"])
+    assert code == 2 and "needs a drafter" in capsys.readouterr().err
+
+
+def test_suites_give_a_fixed_subset_per_seed():
+    from dflashkit.suites import load_suite
+    a, b, c = (load_suite("humaneval", 5, seed) for seed in (0, 0, 1))
+    assert [p.id for p in a] == [p.id for p in b] and [p.id for p in a] != [p.id for p in c]
+    assert len(a) == 5 and len({p.id for p in a}) == 5 and all(p.turns[0] for p in a)
+    assert len(load_suite("humaneval", 1000)) == 164
+    gsm = load_suite("gsm", 3)
+    assert [p.id for p in gsm] == [p.id for p in load_suite("gsm", 3)] and len(gsm) == 3
+    with pytest.raises(ValueError, match="unknown suite 'nope'"):
+        load_suite("nope", 3)
 
 
 @pytest.mark.real_model
