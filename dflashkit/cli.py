@@ -20,6 +20,13 @@ def shipped_drafter(target_name: str) -> Path | None:
     return path if (path / "config.json").exists() and (path / "model.safetensors").exists() else None
 
 
+def _warn_if_inexact(target, speculative: bool) -> None:
+    from .target import inexact_bf16_warning
+    message = inexact_bf16_warning(target) if speculative else None
+    if message:
+        print(message, file=sys.stderr)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -123,6 +130,7 @@ def cmd_generate(args) -> int:
     drafter = load_drafter(drafter_path) if args.block_size != 1 else None   # fail fast on a bad folder
     target = load_target(args.target, dtype=args.dtype, progress=not args.json,
                          fast_path=False if args.no_fast_path else None)
+    _warn_if_inexact(target, speculative=drafter is not None)
     if drafter is not None and drafter.is_untrained:
         print(f"note: {drafter_path} is an UNTRAINED (freshly initialised) drafter: its proposals are "
               "almost never accepted, so expect a slowdown; the output is still the target's own.",
@@ -207,6 +215,7 @@ def cmd_bench(args) -> int:
         raise ValueError(f"method dflash needs a drafter: pass --drafter DIR (no shipped drafter "
                          f"for {args.target})")
     target = load_target(args.target, dtype=args.dtype, fast_path=False if args.no_fast_path else None)
+    _warn_if_inexact(target, speculative=wants_drafter)
     drafter = load_drafter(drafter_path) if wants_drafter else None
     methods = make_methods(names, target, drafter, args.block_size,
                            load_assistant=lambda name: load_target(name, dtype=target.dtype,

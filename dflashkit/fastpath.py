@@ -78,6 +78,11 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
 PACKED_MIN_ROWS = 4
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place modification counter (None for inference tensors, which keep none)."""
+    return None if t.is_inference() else t._version
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` for inference with a oneDNN-packed copy of the weight for many rows.
 
@@ -90,14 +95,20 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
-            linear.weight.detach(), None), persistent=False)
+        self.register_buffer("packed", torch.empty(0), persistent=False)
+        self._repack()
         object.__setattr__(self, "original", linear)   # restored by unpack_linears; not a child
+
+    def _repack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.packed_version = _version(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.dtype != self.weight.dtype or (
                 x.dtype == torch.float32 and x.numel() < PACKED_MIN_ROWS * x.shape[-1]):
             return F.linear(x, self.weight, self.bias)
+        if _version(self.weight) != self.packed_version:   # weights changed in place (a load)
+            self._repack()
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
@@ -147,10 +158,17 @@ class FusedGateUpMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.act_fn = mlp.act_fn
         self.split = mlp.gate_proj.weight.shape[0]
-        weight = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
-        self.register_buffer("packed_gate_up", torch.ops.mkldnn._reorder_linear_weight(weight, None),
-                             persistent=False)
+        self.register_buffer("packed_gate_up", torch.empty(0), persistent=False)
+        self._repack()
         object.__setattr__(self, "original", mlp)   # restored by unfuse_mlps; not a child
+
+    def _versions(self) -> tuple[int, int]:
+        return _version(self.gate_proj.weight), _version(self.up_proj.weight)
+
+    def _repack(self) -> None:
+        weight = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
+        self.packed_gate_up = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.packed_versions = self._versions()
 
     @staticmethod
     def fusable(mlp: nn.Module) -> bool:
@@ -162,6 +180,8 @@ class FusedGateUpMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.dtype != torch.bfloat16:
             return self.original(x)
+        if self._versions() != self.packed_versions:     # weights changed in place (a load)
+            self._repack()
         both = torch.ops.mkldnn._linear_pointwise(x, self.packed_gate_up, None, "none", [], "")
         gate, up = both[..., :self.split].contiguous(), both[..., self.split:].contiguous()
         return self.down_proj(self.act_fn(gate) * up)
@@ -201,16 +221,21 @@ def rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
     last q keys. Row r of batch row i attends to its own visible keys ``[:kv - q + r + 1]``
     with the holes of batched decoding (masked-out entries) removed, through the very call HF
     makes when it decodes one token alone. Needed because the CPU attention kernel's rounding
-    depends on the key length it is handed, not only on the keys that count. A pass with no
-    cache before it (a prefill) and a plain one-token step run as one call.
+    depends on the key length it is handed, not only on the keys that count. A prefill and a
+    one-token step without holes run as one call; a padded batched prefill runs one call per
+    prompt over its own keys.
     """
     b, _, q, _ = query.shape
     kv = key.shape[2]
-    if q == kv or q > ROWWISE_MAX_ROWS or (q == 1 and b == 1):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    kwargs = {k: v for k, v in kwargs.items() if k != "is_causal"}
     bool_mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool \
         else attention_mask == 0
+    # holes: left pads of a batched prefill, or entries of other rows' lengths in a batch
+    holes = bool_mask is not None and not bool(bool_mask[:, :, -1, :].all())
+    if q == kv and holes:
+        return _prefill_without_pads(module, query, key, value, bool_mask, kwargs)
+    if q == kv or q > ROWWISE_MAX_ROWS or (q == 1 and b == 1 and not holes):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k != "is_causal"}
     outputs = []
     for i in range(b):
         rows = []
@@ -226,6 +251,27 @@ def rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
             rows.append(out)
         outputs.append(torch.cat(rows, dim=1))
     return torch.cat(outputs, dim=0), None
+
+
+def _prefill_without_pads(module, query, key, value, bool_mask, kwargs):
+    """A batched prefill of left-padded prompts, each row computed as its prompt alone would be
+    (one causal call over exactly its own keys), so a request's cache and first token do not
+    depend on the prompts it was batched with. Pad rows are left zero: nothing reads them."""
+    b, heads, q, d = query.shape
+    out = query.new_zeros(b, q, heads, value.shape[-1])
+    for i in range(b):
+        keep = bool_mask[i if bool_mask.shape[0] > 1 else 0, 0, -1, :]
+        start = int(keep.to(torch.int8).argmax())
+        if not bool(keep[start:].all()):     # not left padding: keep HF's masked call
+            row, _ = sdpa_attention_forward(module, query[i:i + 1], key[i:i + 1], value[i:i + 1],
+                                            bool_mask[i:i + 1] if bool_mask.shape[0] > 1 else bool_mask,
+                                            **kwargs)
+            out[i:i + 1] = row
+            continue
+        row, _ = sdpa_attention_forward(module, query[i:i + 1, :, start:], key[i:i + 1, :, start:],
+                                        value[i:i + 1, :, start:], None, **kwargs)
+        out[i:i + 1, start:] = row
+    return out, None
 
 
 AttentionInterface.register(ROWWISE_ATTENTION, rowwise_sdpa)

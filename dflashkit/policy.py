@@ -148,6 +148,17 @@ class AdaptiveBlockSize:
     costs: OnlineCost | None = None
 
     def __post_init__(self):
+        problems = [what for bad, what in (
+            (not isinstance(self.max_drafts, int) or self.max_drafts < 1, "max_drafts must be >= 1 "
+             "(a drafter of block size 1 drafts nothing; use block_size=1 for plain decoding)"),
+            (not self.prior_weight >= 0, "prior_weight must be >= 0"),
+            (not 0 < self.acceptance_decay <= 1, "acceptance_decay must be in (0, 1]"),
+            (self.explore_every < 1, "explore_every must be >= 1"),
+            (self.explore_costs_every < 0, "explore_costs_every must be >= 0 (0: never)"),
+            (bool(self.prior) and len(self.prior) != self.max_drafts,
+             f"prior needs one rate per draft slot ({self.max_drafts})")) if bad]
+        if problems:
+            raise ValueError("AdaptiveBlockSize: " + "; ".join(problems))
         if self.costs is None:
             self.costs = OnlineCost(self.curve)
         if not self.prior:
@@ -158,8 +169,9 @@ class AdaptiveBlockSize:
     def prefix_rates(self) -> list[float]:
         rates, last = [], 1.0
         for k in range(self.max_drafts):
-            r = (self.matched[k] + self.prior_weight * self.prior[k]) / (
-                self.observed[k] + self.prior_weight)
+            weight = self.observed[k] + self.prior_weight
+            r = (self.matched[k] + self.prior_weight * self.prior[k]) / weight if weight > 0 \
+                else self.prior[k]    # no prior weight and nothing observed yet
             last = min(last, r)      # P(first k+1 accepted) cannot grow with k
             rates.append(last)
         return rates

@@ -404,9 +404,11 @@ class Engine:
     def from_config(cls, cfg: ServerConfig) -> "Engine":
         """Load the drafter first (a bad folder fails in a second), then the target."""
         from .checkpoint import load_drafter
-        from .target import load_target
+        from .target import inexact_bf16_warning, load_target
         drafter = load_drafter(cfg.drafter) if cfg.drafter else None
         target = load_target(cfg.target, dtype=cfg.dtype, fast_path=None if cfg.fast_path else False)
+        if drafter is not None and inexact_bf16_warning(target):
+            log.warning("%s", inexact_bf16_warning(target))
         if drafter is not None and drafter.is_untrained:
             log.warning("%s is an UNTRAINED drafter: expect almost no accepted tokens", cfg.drafter)
         return cls(target, drafter, cfg.block_size, cfg.model_name or cfg.target, cfg.max_queue,

@@ -320,6 +320,18 @@ def load_target(name_or_path: str | Path, dtype: torch.dtype | str | None = None
     return Target(model, tokenizer, name=str(name_or_path), fast_path=fast_path)
 
 
+def inexact_bf16_warning(target: "Target") -> str | None:
+    """Why speculative output in bf16 may differ from plain decoding, when it may: without the
+    fast path (no AMX, or switched off) verify passes and one-token steps run different
+    kernels, whose roundings differ where two logits tie. None when outputs are exact."""
+    if target.dtype == torch.float32 or target.fast_path:
+        return None
+    return (f"warning: {target.name} runs in {str(target.dtype).removeprefix('torch.')} without the "
+            f"fast path, so a verify pass and a one-token step may round differently and greedy "
+            f"speculative output may differ from plain decoding where two logits tie; use "
+            f"--dtype float32 (exact everywhere) or the bf16 fast path (a CPU with AMX)")
+
+
 class TargetHead(TargetInfo):
     """Only the target's frozen embedding and LM head: all the trainer needs when features
     come from disk, so training never assumes the whole target fits in this process."""

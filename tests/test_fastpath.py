@@ -35,6 +35,10 @@ def test_packed_linear_matches_linear_for_every_row_count():
         for rows in range(1, 2 * PACKED_MIN_ROWS + 2):
             x = torch.randn(1, rows, 64)
             torch.testing.assert_close(packed(x), lin(x), atol=1e-5, rtol=1e-5)
+        with torch.no_grad():                    # new weights loaded in place: repacked, never stale
+            lin.load_state_dict({"weight": torch.randn(48, 64), "bias": torch.randn(48)})
+        x = torch.randn(1, 2 * PACKED_MIN_ROWS, 64)
+        torch.testing.assert_close(packed(x), lin(x), atol=1e-5, rtol=1e-5)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
     assert pack_linears(model) == 2 and unpack_linears(model) == 2
     assert type(model[0]) is nn.Linear and type(model[2][0]) is nn.Linear
@@ -96,6 +100,43 @@ def test_rowwise_attention_rows_are_bitwise_one_token_steps(dtype):
             assert torch.equal(out[i:i + 1, r:r + 1], alone), (i, r)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_prefill_and_a_lone_row_with_holes_are_bitwise_the_prompt_alone(dtype):
+    """A batched prefill of left-padded prompts gives each prompt's rows exactly as its prefill
+    alone would; a batch shrunk to one row whose keys still hold holes gives a one-token step
+    exactly as that sequence alone would (the kernel's rounding depends on the key length)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dflashkit.fastpath import rowwise_sdpa
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, width = 4, 2, 16, 90
+    lengths = [90, 61]
+    query = torch.randn(2, heads, width, d, generator=g).to(dtype)
+    key = torch.randn(2, kv_heads, width, d, generator=g).to(dtype)
+    value = torch.randn(2, kv_heads, width, d, generator=g).to(dtype)
+    keep = torch.zeros(2, width, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        keep[i, width - n:] = True
+    mask = keep[:, None, None, :] & torch.ones(width, width, dtype=torch.bool).tril()[None, None]
+    module = _AttentionStub()
+    out, _ = rowwise_sdpa(module, query, key, value, mask, scaling=d ** -0.5)
+    for i, n in enumerate(lengths):
+        alone, _ = sdpa_attention_forward(module, query[i:i + 1, :, width - n:], key[i:i + 1, :, width - n:],
+                                          value[i:i + 1, :, width - n:], None, scaling=d ** -0.5)
+        assert torch.equal(out[i:i + 1, width - n:], alone), i
+    # one row left in the batch, one new token, holes on the left and in the middle
+    kv = 200
+    q1 = torch.randn(1, heads, 1, d, generator=g).to(dtype)
+    k1 = torch.randn(1, kv_heads, kv, d, generator=g).to(dtype)
+    v1 = torch.randn(1, kv_heads, kv, d, generator=g).to(dtype)
+    keep1 = torch.ones(kv, dtype=torch.bool)
+    keep1[:23] = False
+    keep1[100:104] = False
+    out, _ = rowwise_sdpa(module, q1, k1, v1, keep1[None, None, None, :].clone(), scaling=d ** -0.5)
+    alone, _ = sdpa_attention_forward(module, q1, k1[:, :, keep1], v1[:, :, keep1], None, scaling=d ** -0.5)
+    assert torch.equal(out, alone)
+
+
 @pytest.mark.skipif(not bf16_fast(), reason="this CPU has no bf16 matrix arithmetic (AMX)")
 def test_bf16_verify_pass_is_bitwise_one_token_steps():
     """On the bf16 fast path a pass over 6 new tokens gives the very logits of 6 one-token
@@ -131,6 +172,20 @@ def test_dtype_names_resolve_and_bad_ones_say_what_to_choose():
         resolve_dtype("int8")
 
 
+def test_bf16_without_the_fast_path_is_flagged_as_inexact():
+    from dflashkit.target import inexact_bf16_warning
+    fp32 = tiny_target("qwen2", seed=3)
+    assert inexact_bf16_warning(fp32) is None
+    fp32.set_fast_path(False)
+    assert inexact_bf16_warning(fp32) is None                 # fp32: every kernel agrees
+    bf16 = tiny_target("qwen2", seed=3, dtype=torch.bfloat16)
+    bf16.set_fast_path(False)
+    assert "may differ from plain decoding" in inexact_bf16_warning(bf16)
+    if bf16_fast():
+        bf16.set_fast_path(True)
+        assert inexact_bf16_warning(bf16) is None
+
+
 @pytest.mark.skipif(not bf16_fast(), reason="this CPU has no bf16 matrix arithmetic (AMX)")
 def test_fused_gate_up_mlp_is_bitwise_the_mlp_and_keeps_the_state_dict():
     target = tiny_target("qwen2", seed=4, dtype=torch.bfloat16)
@@ -142,6 +197,11 @@ def test_fused_gate_up_mlp_is_bitwise_the_mlp_and_keeps_the_state_dict():
         for rows in (1, 5):
             x = torch.randn(1, rows, 64, generator=g).to(torch.bfloat16)
             assert torch.equal(FusedGateUpMLP(mlp)(x), mlp(x))
+    fused = FusedGateUpMLP(mlp)
+    with torch.no_grad():                     # weights loaded in place after packing: repacked
+        mlp.up_proj.weight.copy_(torch.randn(mlp.up_proj.weight.shape, generator=g))
+    with torch.inference_mode():
+        assert torch.equal(fused(x), mlp(x))
     target.set_fast_path(True)
     assert isinstance(target.model.model.layers[0].mlp, FusedGateUpMLP)
     assert list(target.model.state_dict()) == names

@@ -264,6 +264,19 @@ def test_auto_measures_caches_and_stays_lossless(tmp_path, monkeypatch):
     assert again == saved
 
 
+def test_bad_policy_settings_are_refused_with_what_to_change():
+    c = curve({1: 10, 2: 11, 3: 12})
+    for kwargs, message in (({"max_drafts": 0}, "max_drafts must be >= 1"),
+                            ({"max_drafts": 2, "prior_weight": -1.0}, "prior_weight must be >= 0"),
+                            ({"max_drafts": 2, "explore_every": 0}, "explore_every must be >= 1"),
+                            ({"max_drafts": 2, "acceptance_decay": 0.0}, "acceptance_decay"),
+                            ({"max_drafts": 2, "prior": [0.5]}, "one rate per draft slot")):
+        with pytest.raises(ValueError, match=message):
+            AdaptiveBlockSize(c, **kwargs)
+    p = AdaptiveBlockSize(c, max_drafts=2, prior_weight=0.0)
+    assert p.prefix_rates() == [0.5, 0.25]            # nothing observed: the prior, no 0/0
+
+
 def test_auto_needs_a_drafter():
     target, _ = cached_target("qwen2")
     with pytest.raises(ValueError, match="needs a drafter"):
