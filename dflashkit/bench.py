@@ -329,5 +329,6 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
                 if spec is not None:
                     e = summary.get(p.suite, {}).get(spec, {})
                     bar.set_postfix(suite=p.suite, tau=f"{e.get('tau', 0):.2f}",
-                                    speedup=f"{e.get('speedup_vs_ar') or 0:.2f}x")
+                                    speedup=f"{e.get('speedup_vs_ar') or 0:.2f}x",
+                                    vs_ar_loop=f"{e.get('speedup_vs_ar_loop') or 0:.2f}x")
     return write_report(out_dir, records, fingerprint, config, env, expected=len(records))

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import atomic_write
-from .costs import (cpu_model, measure_bandwidth_gbs, measure_draft_ms, measure_matmul_gflops,
-                    measure_verify_ms, pass_flops, pass_weight_bytes)
+from .costs import (cpu_model, drafter_pass_floor, measure_bandwidth_gbs, measure_draft_ms,
+                    measure_matmul_gflops, measure_verify_ms, pass_flops, pass_weight_bytes)
 
 
 def run_cost_bench(target, drafter=None, kv_lengths=(256, 2048), max_q: int = 16,
@@ -36,7 +36,7 @@ def run_cost_bench(target, drafter=None, kv_lengths=(256, 2048), max_q: int = 16
                      "torch": torch.__version__, "python": platform.python_version(),
                      "bandwidth_gbs": bandwidth, "matmul_gflops": peak,
                      "weight_bytes": weight_bytes, "qs": qs, "kv_lengths": list(kv_lengths),
-                     "verify_ms": {}, "draft_ms": {}, "floors_ms": {}}
+                     "verify_ms": {}, "draft_ms": {}, "floors_ms": {}, "draft_floors_ms": {}}
     for kv in kv_lengths:
         results["floors_ms"][str(kv)] = {
             "bandwidth": weight_bytes / (bandwidth * 1e9) * 1000,
@@ -53,6 +53,9 @@ def run_cost_bench(target, drafter=None, kv_lengths=(256, 2048), max_q: int = 16
                     proposer = DFlashProposer(drafter, target)
                     results["draft_ms"].setdefault(backend, {})[str(kv)] = measure_draft_ms(
                         target, proposer, kv, repeats=repeats)
+                    nbytes, flops = drafter_pass_floor(proposer, kv)
+                    results["draft_floors_ms"][str(kv)] = {
+                        "bandwidth": nbytes / (bandwidth * 1e9) * 1000, "compute": flops / (peak * 1e9) * 1000}
     finally:
         target.set_fast_path(was)
     if out is not None:
@@ -72,8 +75,9 @@ def cost_table(r: dict) -> str:
         floors = r["floors_ms"][kv]
         fast = r["verify_ms"].get("fast", r["verify_ms"][backends[0]])[kv]
         base = fast[_k(fast, 1)]
+        ref = "fast" if "fast" in r["verify_ms"] else backends[0]
         head = "| q | " + " | ".join(f"{b} ms" for b in backends) + \
-            " | fast / fast q=1 | bandwidth floor ms | compute floor ms |"
+            f" | {ref} / {ref} q=1 | bandwidth floor ms | compute floor ms |"
         lines += [f"### KV length {kv}", "", head, "|" + "---|" * (len(backends) + 4)]
         for q in r["qs"]:
             cells = [f"{r['verify_ms'][b][kv][_k(r['verify_ms'][b][kv], q)]:.1f}" for b in backends]
@@ -83,8 +87,12 @@ def cost_table(r: dict) -> str:
                          f" | {ratio:.2f}x | {floors['bandwidth']:.1f} | {comp:.1f} |")
         if r["draft_ms"]:
             cells = ", ".join(f"{b} {r['draft_ms'][b][kv]:.1f} ms ({r['draft_ms'][b][kv] / base:.2f}x "
-                              f"of the fast q=1 step)" for b in r["draft_ms"])
-            lines += ["", f"Drafter pass (whole block, LM head over the verified slots): {cells}."]
+                              f"of the {ref} q=1 step)" for b in r["draft_ms"])
+            floor = r.get("draft_floors_ms", {}).get(kv)
+            floor_text = (f" Its floors: bandwidth {floor['bandwidth']:.2f} ms (its weights and the "
+                          f"LM-head rows of its draft vocabulary), compute {floor['compute']:.2f} ms."
+                          if floor else "")
+            lines += ["", f"Drafter pass (whole block, LM head over the verified slots): {cells}.{floor_text}"]
         lines.append("")
     return "\n".join(lines)
 

@@ -88,6 +88,26 @@ def pass_flops(target, q: int, kv_length: int) -> float:
     return 2 * weights * q + attn
 
 
+def drafter_pass_floor(proposer, kv_length: int, num_slots: int | None = None) -> tuple[int, float]:
+    """(bytes read, matmul FLOPs) of one drafter pass: its own weights once, the LM-head rows
+    of its draft vocabulary once, the block's rows through every weight and the verified
+    slots through the head, attention over the context cache."""
+    drafter = proposer.drafter
+    cfg = drafter.config
+    seen, body, size = set(), 0, 0
+    for p in drafter.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            body += p.numel()
+            size = p.element_size()
+    rows = cfg.block_size
+    slots = rows - 1 if num_slots is None else num_slots
+    head = proposer.head.numel()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = 4 * rows * (kv_length + rows) * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
+    return (body + head) * size, 2 * body * rows + 2 * head * slots + attn
+
+
 @torch.inference_mode()
 def measure_verify_ms(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
                       repeats: int = 5) -> dict[int, float]:
@@ -206,8 +226,13 @@ class CostCurve:
         for (q0, c0), (q1, c1) in zip(pts, pts[1:]):
             if q0 <= q <= q1:
                 return c0 + (c1 - c0) * (q - q0) / (q1 - q0)
-        (qa, ca), (qb, cb) = pts[-2:] if len(pts) > 1 else (pts[0], pts[0])
-        slope = (cb - ca) / (qb - qa) if qb != qa else 0.0
+        # past the last point: the least-squares slope of the whole curve (the last segment's
+        # may be flat where the smoothing pooled the tail, which would make big passes free)
+        qb, cb = pts[-1]
+        n = len(pts)
+        mean_q, mean_c = sum(x for x, _ in pts) / n, sum(c for _, c in pts) / n
+        var = sum((x - mean_q) ** 2 for x, _ in pts)
+        slope = max(0.0, sum((x - mean_q) * (c - mean_c) for x, c in pts) / var) if var else 0.0
         return cb + slope * (q - qb)
 
     def to_json(self) -> dict:
@@ -233,11 +258,26 @@ def cache_dir() -> Path:
 CURVE_VERSION = 2   # 2: interleaved rounds, acceptance included, smoothed (older curves are remeasured)
 
 
+def cpu_features() -> list[str]:
+    """The CPU flags that change which kernels run (a generic model name such as "Intel(R)
+    Xeon(R) Processor" hides them)."""
+    wanted = {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "fma"}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(wanted & set(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return []
+
+
 def _cache_key(target, drafter_id: str, max_q: int, kv_length: int) -> str:
+    import transformers
     ident = json.dumps([target.name, target.config.to_dict().get("num_hidden_layers"),
                         target.hidden_size, "fast" if target.fast_path else "default",
                         str(target.dtype), drafter_id, max_q, kv_length, torch.get_num_threads(), cpu_model(),
-                        torch.__version__, CURVE_VERSION])
+                        cpu_features(), os.cpu_count(), torch.__version__, transformers.__version__,
+                        target.model.config._attn_implementation, CURVE_VERSION])
     return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 
@@ -250,7 +290,8 @@ def cost_curve(target, proposer=None, max_q: int = 16, kv_length: int = 256,
     drafter_id = ""
     if proposer is not None:
         cfg = proposer.drafter.config
-        drafter_id = f"{cfg.num_hidden_layers}x{cfg.hidden_size}-B{cfg.block_size}-V{len(proposer.vocab) if proposer.vocab is not None else 0}"
+        drafter_id = (f"{cfg.num_hidden_layers}x{cfg.hidden_size}x{cfg.intermediate_size}-B{cfg.block_size}"
+                      f"-L{len(cfg.target_layer_ids)}-V{len(proposer.vocab) if proposer.vocab is not None else 0}")
     path = cache_dir() / f"{_cache_key(target, drafter_id, max_q, kv_length)}.json"
     if use_cache and path.exists():
         try:

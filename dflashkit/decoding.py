@@ -281,6 +281,7 @@ def speculative_generate(
             pos, props = observations.pop(0)
             policy.observe(props, committed[pos + 1:pos + 1 + len(props)])
 
+    rejection = acceptance == "rejection" and not sampling.greedy
     t_decode = time.perf_counter()
     while not done:
         s = len(committed) - 1
@@ -296,7 +297,7 @@ def speculative_generate(
             prop, draft_probs = drafter.propose(torch.tensor(committed, device=device), pending,
                                                 width, draft_sampling, generator)
             proposals = [int(x) for x in prop.tolist()]
-            if policy is not None:
+            if policy is not None and not rejection:
                 observations.append((s, proposals))
             proposals = proposals[:n_draft]
             if draft_probs is not None:
@@ -316,6 +317,10 @@ def speculative_generate(
             a, nxt = _accept_match(proposals, logits, sampling, generator)
         if policy is not None:   # the acceptance's per-row work (argmax over the vocabulary) counts
             policy.observe_costs(block.shape[1], time.perf_counter() - t, draft_s)
+        if policy is not None and rejection and proposals:
+            # sampled drafts equal the target's sample less often than rejection sampling
+            # accepts them (sum p*q < sum min(p, q)): learn from the verified slots only
+            policy.observe(proposals, [t if k < a else -1 for k, t in enumerate(proposals)])
         new = proposals[:a] + [nxt]
         for k in range(n_draft):
             stats.slot_drafted[k] += 1

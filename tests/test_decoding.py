@@ -12,13 +12,15 @@ from tests.conftest import EOS, MASK, VOCAB, tiny_target
 
 
 def hf_greedy(target, prompt, max_new_tokens, eos=EOS):
-    """The target's own greedy output, from transformers."""
+    """The target's own greedy output, from transformers with its default kernels (the
+    reference must not run on the path under test)."""
     ids = torch.tensor([prompt])
     gen_cfg = target.model.generation_config
     gen_cfg.eos_token_id = eos
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=max_new_tokens, pad_token_id=0,
-                                generation_config=gen_cfg)
+    with target.default_path():
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=max_new_tokens, pad_token_id=0,
+                                    generation_config=gen_cfg)
     return out[0, len(prompt):].tolist()
 
 
