@@ -252,18 +252,13 @@ STAGES = "data,teacher,train,export"
 
 
 def cmd_train(args) -> int:
-    from .pipeline import load_config, run_data_stage, run_teacher_stage, run_train_and_export
+    from .pipeline import load_config, run_stages
     cfg = load_config(args.config)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = sorted(set(stages) - {"data", "teacher", "train", "export"})
     if unknown:
         raise ValueError(f"--stages: unknown stage(s) {unknown}; choose from data, teacher, train, export")
-    if "data" in stages:
-        run_data_stage(cfg)
-    if "teacher" in stages:
-        run_teacher_stage(cfg, forced=args.stages != STAGES)
-    if "train" in stages or "export" in stages:
-        run_train_and_export(cfg, export="export" in stages)
+    run_stages(cfg, stages, force_teacher=args.stages != STAGES)
     return 0
 
 

@@ -7,6 +7,8 @@ rerunning the same command after an interruption resumes where the work stopped.
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -119,6 +121,50 @@ def run_teacher_stage(cfg: PipelineConfig, target=None, forced: bool = False,
     target = target or load_target(cfg.target, dtype=cfg.data.dtype, progress=progress)
     k = cfg.data.teacher_top_k or 16
     return backfill(target, cfg.data_dir, records, k, per_shard=per_shard, progress=progress)
+
+
+def _data_complete(cfg: PipelineConfig) -> bool:
+    return (cfg.data_dir / "meta.json").exists()
+
+
+def _teacher_complete(cfg: PipelineConfig) -> bool:
+    from .regenerate import read_samples
+    from .teacher import TeacherStore
+    return _data_complete(cfg) and not TeacherStore(cfg.data_dir).missing(read_samples(cfg.data_dir))
+
+
+WAIT_POLL_S = 10.0
+
+
+def wait_for(done, what: str) -> None:
+    """Block until ``done()``: the other processes of a torchrun job while rank 0 runs a data
+    stage (hours, longer than a process group's barrier timeout; torchrun stops every rank
+    if rank 0 fails, so no wait outlives it)."""
+    told = False
+    while not done():
+        if not told:
+            print(f"rank {os.environ.get('RANK', '?')}: waiting for rank 0's {what}", flush=True)
+            told = True
+        time.sleep(WAIT_POLL_S)
+
+
+def run_stages(cfg: PipelineConfig, stages: list[str], force_teacher: bool = False,
+               progress: bool = True) -> None:
+    """The stages asked for, in order. Under torchrun the target-bound stages (data, teacher)
+    run once, on rank 0, while the other ranks wait; training then runs data-parallel."""
+    rank = int(os.environ.get("RANK", "0"))
+    if "data" in stages:
+        if rank == 0:
+            run_data_stage(cfg, progress=progress)
+        else:
+            wait_for(lambda: _data_complete(cfg), "data stage")
+    if "teacher" in stages and (cfg.train.distill > 0 or force_teacher):
+        if rank == 0:
+            run_teacher_stage(cfg, forced=force_teacher, progress=progress)
+        else:
+            wait_for(lambda: _teacher_complete(cfg), "teacher stage")
+    if "train" in stages or "export" in stages:
+        run_train_and_export(cfg, progress=progress, export="export" in stages)
 
 
 def run_train_and_export(cfg: PipelineConfig, progress: bool = True, export: bool = True) -> Path | None:

@@ -62,14 +62,45 @@ def sharegpt_split(record_id: str) -> str:
     return "eval" if int(hashlib.sha1(record_id.encode()).hexdigest(), 16) % 10 == 0 else "train"
 
 
-def sharegpt_first_turns(split: str, max_chars: int = 2500) -> list[dict]:
-    """First human turns of one split, tagged ``code`` or ``chat`` by a keyword heuristic."""
-    out = []
+def _conversation(record_id: str) -> str:
+    """ShareGPT splits long conversations into segments ``ID_0``, ``ID_1``, ...: one conversation."""
+    return record_id.rsplit("_", 1)[0]
+
+
+def _normalised(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+@lru_cache(maxsize=1)
+def _eval_split_keys() -> tuple[frozenset, frozenset]:
+    """Conversations and first-turn texts of the evaluation split: training leaves out every
+    segment of those conversations and every first turn equal to an evaluation one (the split
+    hashes segment ids, and ShareGPT repeats popular first turns across conversations)."""
+    convs, texts = set(), set()
     for r in sharegpt_records():
+        rid = str(r.get("id"))
         conv = r.get("conversations") or []
-        if not conv or conv[0].get("from") != "human" or sharegpt_split(str(r.get("id"))) != split:
+        if sharegpt_split(rid) == "eval":
+            convs.add(_conversation(rid))
+            if conv and conv[0].get("from") == "human":
+                texts.add(_normalised(conv[0].get("value") or ""))
+    return frozenset(convs), frozenset(texts)
+
+
+def sharegpt_first_turns(split: str, max_chars: int = 2500) -> list[dict]:
+    """First human turns of one split, tagged ``code`` or ``chat`` by a keyword heuristic.
+    The training split shares neither a conversation nor a first-turn text with the evaluation
+    split (the bench's ``chat`` suite)."""
+    out = []
+    eval_convs, eval_texts = _eval_split_keys() if split == "train" else (frozenset(), frozenset())
+    for r in sharegpt_records():
+        rid = str(r.get("id"))
+        conv = r.get("conversations") or []
+        if not conv or conv[0].get("from") != "human" or sharegpt_split(rid) != split:
             continue
         text = (conv[0].get("value") or "").strip()
+        if split == "train" and (_conversation(rid) in eval_convs or _normalised(text) in eval_texts):
+            continue
         if 8 <= len(text) <= max_chars:
             kind = "code" if _CODE_WORDS.search(text) else "chat"
             out.append({"id": f"sharegpt-{r['id']}", "source": f"sharegpt-{kind}", "kind": kind,

@@ -74,8 +74,11 @@ class TrainConfig:
 # --- distributed ---------------------------------------------------------------------------
 
 def init_distributed() -> tuple[int, int]:
+    """The process group of a torchrun job. The trainer keeps every tensor on the CPU (it has
+    no device placement yet), so the group is gloo even on a host with GPUs: NCCL would
+    refuse the CPU gradients."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("gloo")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -155,12 +158,12 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         if cfg.attention not in ("auto", "sdpa", "flex"):
             raise ValueError(f"train.attention must be auto, sdpa or flex, got {cfg.attention!r}")
-        from .objective import flex_available
-        self.attention = cfg.attention if cfg.attention != "auto" else (
-            "flex" if torch.cuda.is_available() and flex_available() else "sdpa")
-        if self.attention == "flex" and not torch.cuda.is_available():
-            raise ValueError("train.attention: flex has no backward pass on CPU in this torch; "
-                             "use sdpa (or auto) on CPU")
+        # training runs on the CPU (see init_distributed), where flex attention has no backward
+        # pass in this torch: auto is sdpa; flex is for the objective's GPU path (objective.py)
+        self.attention = "sdpa" if cfg.attention == "auto" else cfg.attention
+        if self.attention == "flex":
+            raise ValueError("train.attention: flex has no backward pass on CPU in this torch, and "
+                             "the trainer runs on the CPU; use sdpa (or auto)")
         self.cfg, self.spec, self.progress = cfg, drafter_spec, progress and self.rank == 0
         self.data_dir, self.out_dir = Path(data_dir), Path(out_dir)
         meta_path = self.data_dir / "meta.json"
@@ -249,7 +252,9 @@ class Trainer:
     def _features(self, record: dict, ids: torch.Tensor) -> torch.Tensor:
         L = ids.numel()
         if self.cfg.features == "online":
-            feats = self.target.forward(ids[None], 0, None, capture=self.drafter.target_layer_ids).features
+            # only the captured layers are wanted: logits for one position, not L x vocab
+            feats = self.target.forward(ids[None], 0, None, capture=self.drafter.target_layer_ids,
+                                        last_only=True).features
             return feats.clone()   # out of inference mode: autograd may save it (fc's input)
         f = self.store.get(record).float()
         H = self.head.hidden_size

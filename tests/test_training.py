@@ -351,3 +351,29 @@ def test_distillation_changes_the_gradient_not_the_logged_loss(tiny_run):
     assert any(not torch.equal(a[k], b[k]) for k in a)
     card = t_mixed.model_card()
     assert "0.5 x CE on the target's own top-k distributions" in card
+
+
+def test_under_torchrun_only_rank_0_runs_the_data_stage(tmp_path, monkeypatch, capsys):
+    """Other ranks wait for rank 0's data stage instead of regenerating the same prompts into
+    the same files (and they wait by polling, not on a barrier that would time out)."""
+    import threading
+
+    from dflashkit import pipeline
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"target": "tiny", "run_dir": str(tmp_path / "run")}))
+    cfg = pipeline.load_config(path)
+    monkeypatch.setattr(pipeline, "run_data_stage", lambda *a, **k: pytest.fail("rank 1 ran the data stage"))
+    monkeypatch.setattr(pipeline, "run_train_and_export", lambda *a, **k: None)
+    monkeypatch.setattr(pipeline, "WAIT_POLL_S", 0.05)
+    monkeypatch.setenv("RANK", "1")
+    cfg.data_dir.mkdir(parents=True)
+    threading.Timer(0.3, lambda: (cfg.data_dir / "meta.json").write_text("{}")).start()
+    t = time.time()
+    pipeline.run_stages(cfg, ["data", "train"])
+    assert 0.2 < time.time() - t < 5
+    assert "rank 1: waiting for rank 0's data stage" in capsys.readouterr().out
+    ran = []
+    monkeypatch.setattr(pipeline, "run_data_stage", lambda *a, **k: ran.append("data"))
+    monkeypatch.setenv("RANK", "0")
+    pipeline.run_stages(cfg, ["data"])
+    assert ran == ["data"]
