@@ -99,31 +99,52 @@ def _is_block_mask(mask) -> bool:
 
 
 class ContextCache:
-    """Per-layer keys/values of the CONTEXT only (after k_norm and RoPE).
+    """Per-layer keys/values of the CONTEXT only (after k_norm and RoPE), in preallocated
+    buffers written in place.
 
-    The block's own keys are recomputed every call and never stored, which is what the
-    reference gets by appending the block and cropping it off again.
+    The block's own keys are recomputed every call and never kept: they are written just past
+    the context (scratch space, overwritten by the next call), so attention reads one view of
+    context + block with no concatenation. That is what the reference gets by appending the
+    block and cropping it off again.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, reserve: int = 512):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.length = 0
+        self.filled = [0] * num_layers     # context entries written per layer
+        self.length = 0                    # context entries every layer holds (set by the drafter)
+        self.reserve = reserve
 
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k, v
-        elif k.shape[2]:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
-        return self.keys[layer], self.values[layer]
+    def _room(self, layer: int, like: torch.Tensor, need: int) -> None:
+        buf = self.keys[layer]
+        if buf is not None and buf.shape[2] >= need:
+            return
+        b, h, _, d = like.shape
+        capacity = max(need + self.reserve, 2 * buf.shape[2] if buf is not None else 0)
+        keys, values = like.new_empty(b, h, capacity, d), like.new_empty(b, h, capacity, d)
+        if buf is not None:   # grow: the one copy, amortised over many steps
+            n = self.filled[layer]
+            keys[:, :, :n], values[:, :, :n] = buf[:, :, :n], self.values[layer][:, :, :n]
+        self.keys[layer], self.values[layer] = keys, values
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               block_k: torch.Tensor | None = None, block_v: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new context entries; returns keys/values of the context, followed by the
+        block's when given (views into the buffers)."""
+        n, q = self.filled[layer], 0 if block_k is None else block_k.shape[2]
+        end = n + k.shape[2]
+        self._room(layer, k, end + q)
+        keys, values = self.keys[layer], self.values[layer]
+        keys[:, :, n:end], values[:, :, n:end] = k, v
+        if q:
+            keys[:, :, end:end + q], values[:, :, end:end + q] = block_k, block_v
+        self.filled[layer] = end
+        return keys[:, :, :end + q], values[:, :, :end + q]
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` context entries (rollback after a rejected prefix)."""
-        for i, k in enumerate(self.keys):
-            if k is not None:
-                self.keys[i] = k[:, :, :length]
-                self.values[i] = self.values[i][:, :, :length]
+        self.filled = [min(f, length) for f in self.filled]
         self.length = min(self.length, length)
 
 
@@ -153,10 +174,10 @@ class DrafterAttention(nn.Module):
         v_c = self._heads(self.v_proj(ctx), self.num_kv_heads).transpose(1, 2)
         q, k_x = apply_rope(q, *rope_x), apply_rope(k_x, *rope_x)
         k_c = apply_rope(k_c, *rope_ctx)
-        if cache is not None:
-            k_c, v_c = cache.extend(layer, k_c, v_c)
-        k = torch.cat([k_c, k_x], dim=2)
-        v = torch.cat([v_c, v_x], dim=2)
+        if cache is not None:   # context and block in one view of the cache's buffers
+            k, v = cache.extend(layer, k_c, v_c, k_x, v_x)
+        else:
+            k, v = torch.cat([k_c, k_x], dim=2), torch.cat([v_c, v_x], dim=2)
         if _is_block_mask(mask):   # flex attention (training on GPU; eager reference on CPU)
             from torch.nn.attention.flex_attention import flex_attention
             out = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim ** -0.5,

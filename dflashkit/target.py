@@ -103,8 +103,11 @@ class TargetInfo:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise TargetError(f"{self.name}: the tokenizer has no chat template; use --raw")
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            # non-thinking: templates with a thinking switch (Qwen3) answer directly; the others
+            # ignore the variable
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False)
+                                                     tokenize=True, return_dict=False,
+                                                     enable_thinking=False)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return [int(i) for i in ids]

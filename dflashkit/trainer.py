@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,6 +70,11 @@ class TrainConfig:
     # Weight of the cross-entropy against the target's own distributions (teacher.py) in each
     # slot's loss; 0 is the plain DFlash objective. Needs the teacher stage's output.
     distill: float = 0.0
+
+
+# The part of a drafter's model card that export rewrites (measured results added by hand
+# around it are kept).
+CARD_START, CARD_END = "<!-- dflashkit train: generated -->", "<!-- /dflashkit train: generated -->"
 
 
 # --- distributed ---------------------------------------------------------------------------
@@ -394,7 +400,10 @@ class Trainer:
         with self.log_path.open() as f:
             rows = list(csv.DictReader(f))
             fields = rows[0].keys() if rows else []
-        keep = [r for r in rows if int(r["step"]) <= last_step]
+        keep = [r for r in rows if r.get("step") and int(r["step"]) <= last_step]
+        if not keep:   # nothing to keep (or killed while writing the header): start the log over
+            self.log_path.unlink()
+            return
         tmp = self.log_path.with_suffix(".tmp")
         with tmp.open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(fields))
@@ -453,8 +462,19 @@ class Trainer:
             from .checkpoint import save_draft_vocab
             save_draft_vocab(self.vocab, out)
         card = out / "README.md"
-        if not card.exists():   # a card with measured results, once written, is kept
-            text = self.model_card()
+        generated = f"{CARD_START}\n{self.model_card()}{CARD_END}\n"
+        if not card.exists():
+            text = generated
+        else:   # the generated block follows the weights; what people wrote around it stays
+            old = card.read_text()
+            if CARD_START in old and CARD_END in old:
+                head, rest = old.split(CARD_START, 1)
+                text = head + generated + rest.split(CARD_END, 1)[1].lstrip("\n")
+            else:
+                text = None
+                print(f"export: kept {card} (written before generated blocks were marked); "
+                      f"delete it to regenerate its data and recipe", file=sys.stderr)
+        if text is not None:
             atomic_write(card, lambda tmp: Path(tmp).write_text(text))
         return out
 

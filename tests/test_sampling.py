@@ -17,7 +17,9 @@ from dflashkit.decoding import speculative_generate
 from dflashkit.drafter import config_for_target, init_drafter
 from dflashkit.sampling import SamplingConfig, target_probs
 from tests.conftest import MASK, tiny_target
+from dflashkit.policy import AdaptiveBlockSize
 from tests.test_decoding import OracleProposer, hf_greedy
+from tests.test_policy import curve
 
 ALPHA = 1e-3
 
@@ -66,14 +68,17 @@ def chi_square_pvalue(samples, dist):
     return chisquare(observed, expected).pvalue
 
 
-@pytest.mark.parametrize("acceptance,proposer_kind,sampling", [
-    ("match", "oracle", SamplingConfig(temperature=1.0, top_k=3)),
-    ("match", "random", SamplingConfig(temperature=0.8, top_k=4)),
-    ("match", "oracle", SamplingConfig(temperature=1.2, top_p=0.7, top_k=6)),
-    ("rejection", "random", SamplingConfig(temperature=1.0, top_k=3)),
-    ("rejection", "drafter_equals_target", SamplingConfig(temperature=1.0, top_k=3)),
+@pytest.mark.parametrize("acceptance,proposer_kind,sampling,adaptive", [
+    ("match", "oracle", SamplingConfig(temperature=1.0, top_k=3), False),
+    ("match", "random", SamplingConfig(temperature=0.8, top_k=4), False),
+    ("match", "oracle", SamplingConfig(temperature=1.2, top_p=0.7, top_k=6), False),
+    ("rejection", "random", SamplingConfig(temperature=1.0, top_k=3), False),
+    ("rejection", "drafter_equals_target", SamplingConfig(temperature=1.0, top_k=3), False),
+    # the adaptive block size: the number of verified drafts changes from step to step
+    ("match", "oracle", SamplingConfig(temperature=1.0, top_k=3), True),
+    ("rejection", "drafter_equals_target", SamplingConfig(temperature=1.0, top_k=3), True),
 ])
-def test_speculative_sampling_matches_target_distribution(acceptance, proposer_kind, sampling):
+def test_speculative_sampling_matches_target_distribution(acceptance, proposer_kind, sampling, adaptive):
     target = tiny_target("qwen2", seed=1, temperature_scale=0.6)
     prompt, length, n = [9, 14, 27, 3], 3, 1000
     dist = exact_distribution(target, prompt, length, sampling)
@@ -83,14 +88,21 @@ def test_speculative_sampling_matches_target_distribution(acceptance, proposer_k
         proposer = OracleProposer(hf_greedy(target, prompt, length, eos=None), len(prompt))
     else:
         proposer = _TargetAsDrafter(target, len(prompt))
-    samples = []
+    block = 4
+    if adaptive:   # the policy in the loop (fixed costs: the choice must not depend on timing)
+        block = AdaptiveBlockSize(curve({1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5}, draft=1.0),
+                                  max_drafts=3, explore_every=2, learn_costs=False)
+    samples, drafted = [], [0, 0, 0]
     for seed in range(n):
         s = SamplingConfig(sampling.temperature, sampling.top_p, sampling.top_k, seed=seed)
         res = speculative_generate(target, proposer, prompt, max_new_tokens=length, sampling=s,
-                                   block_size=4, stop_token_ids=[], acceptance=acceptance)
+                                   block_size=block, stop_token_ids=[], acceptance=acceptance)
+        drafted = [d + x for d, x in zip(drafted, res.stats.slot_drafted)]
         samples.append(tuple(res.tokens))
     p = chi_square_pvalue(samples, dist)
     assert p > ALPHA, f"speculative samples deviate from the target's distribution (p={p:.2e})"
+    if adaptive:   # the policy drafted (3 new tokens, the first from the prefill: 0 or 1 per step)
+        assert drafted[0] > 0, drafted
 
 
 def test_goodness_of_fit_detects_a_biased_sampler():

@@ -351,6 +351,17 @@ def test_distillation_changes_the_gradient_not_the_logged_loss(tiny_run):
     assert any(not torch.equal(a[k], b[k]) for k in a)
     card = t_mixed.model_card()
     assert "0.5 x CE on the target's own top-k distributions" in card
+    out = root / "exported"
+    t_mixed.export(out)                       # a card with a generated block, then hand-written notes
+    text = (out / "README.md").read_text()
+    (out / "README.md").write_text(text + "\n## Measured results\n\nwritten by hand\n")
+    t_plain.export(out)                       # other weights: the generated block follows them
+    text = (out / "README.md").read_text()
+    assert "CE on the regenerated tokens" in text and "0.5 x CE" not in text
+    assert text.endswith("## Measured results\n\nwritten by hand\n")
+    (out / "README.md").write_text("an old card without markers\n")
+    t_mixed.export(out)                       # kept as it is, with a note
+    assert (out / "README.md").read_text() == "an old card without markers\n"
 
 
 def test_under_torchrun_only_rank_0_runs_the_data_stage(tmp_path, monkeypatch, capsys):
