@@ -205,9 +205,9 @@ def _resume(out_dir: Path, fingerprint: dict, fresh: bool) -> dict[tuple, Record
     if not run_file.exists():
         raise ValueError(f"{out_dir} has records.jsonl but no run.json, so what it measured is unknown: "
                          f"pass another --out, or --fresh to start this folder over")
-    changed = _differences(json.loads(run_file.read_text()), fingerprint)
+    old = json.loads(run_file.read_text())
+    changed = _differences(old, fingerprint)
     if changed:
-        old = json.loads(run_file.read_text())
         raise ValueError(f"{out_dir} holds a bench run with a different configuration ("
                          + "; ".join(f"{k}: {old.get(k)!r} there, {fingerprint.get(k)!r} now" for k in changed)
                          + "): pass another --out, or --fresh to start this folder over")
