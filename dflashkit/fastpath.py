@@ -28,6 +28,8 @@ Quantisation is not part of this path: numbers stay those of the chosen float dt
 from __future__ import annotations
 
 import functools
+import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -72,10 +74,51 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     return DTYPES[dtype]
 
 
-# Below this many rows PyTorch's default kernel is as fast or faster: measured on the 0.5B
-# target here, whole forward at KV 256, default vs packed (ms): q=1 84/95, q=2 91/103,
-# q=3 92/104, q=4 177/106, q=16 245/151 (benchmarks/costs/).
+# Below this many rows PyTorch's default fp32 kernel can be as fast as oneDNN's packed one or
+# faster, depending on the CPU: on an Intel Xeon (AMX) here, whole 0.5B forward at KV 256,
+# default vs packed (ms): q=1 84/95, q=3 92/104, q=4 177/106; on an AMD EPYC (Zen 4) here,
+# packed was ahead from one row on (q=1 146 vs ~85). So the crossover is measured once per
+# process on this CPU (:func:`packed_min_rows`); this is the most it can be.
 PACKED_MIN_ROWS = 4
+
+
+@functools.cache
+def packed_min_rows() -> int:
+    """The fewest rows from which oneDNN's packed fp32 matmul beats PyTorch's default kernel
+    on this CPU, at every row count up to :data:`PACKED_MIN_ROWS`. Measured on weights of a
+    0.5B model's MLP shape, larger in all than the last-level cache so they stream from memory
+    as a model's do (~0.3 s, once per process). ``DFLASHKIT_PACKED_MIN_ROWS`` overrides it."""
+    override = os.environ.get("DFLASHKIT_PACKED_MIN_ROWS")
+    if override:
+        if not override.isdigit() or not 1 <= int(override) <= PACKED_MIN_ROWS:
+            raise ValueError(f"DFLASHKIT_PACKED_MIN_ROWS={override!r}: give a whole number "
+                             f"from 1 to {PACKED_MIN_ROWS}, or unset it to measure")
+        return int(override)
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return PACKED_MIN_ROWS
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(4864, 896, generator=g) for _ in range(4)]   # 70 MB in all
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+
+    def ms(run, rows: int) -> float:
+        x = torch.randn(1, rows, 896, generator=g)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for w, p in zip(weights, packed):
+                run(x, w, p)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    threshold = PACKED_MIN_ROWS
+    with torch.inference_mode():
+        for rows in range(PACKED_MIN_ROWS - 1, 0, -1):
+            default = ms(lambda x, w, p: F.linear(x, w), rows)
+            oneDNN = ms(lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), rows)
+            if oneDNN > default:
+                break
+            threshold = rows
+    return threshold
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -105,7 +148,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.dtype != self.weight.dtype or (
-                x.dtype == torch.float32 and x.numel() < PACKED_MIN_ROWS * x.shape[-1]):
+                x.dtype == torch.float32 and x.numel() < packed_min_rows() * x.shape[-1]):
             return F.linear(x, self.weight, self.bias)
         if _version(self.weight) != self.packed_version:   # weights changed in place (a load)
             self._repack()
@@ -119,6 +162,7 @@ def pack_linears(module: nn.Module) -> int:
     Returns how many were packed. Weights are not copied out of the module: the packed
     buffers are extra memory (one more copy of each linear weight).
     """
+    packed_min_rows()              # measured now, not inside the first timed step
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from dflashkit.decoding import speculative_generate
 from dflashkit.fastpath import (PACKED_MIN_ROWS, ROWWISE_ATTENTION, FusedGateUpMLP, InPlaceCache,
-                                PackedLinear, bf16_fast, is_packed, pack_linears, resolve_dtype, unpack_linears)
+                                PackedLinear, bf16_fast, packed_min_rows, is_packed, pack_linears, resolve_dtype, unpack_linears)
 from tests.conftest import VOCAB, tiny_target
 from tests.test_decoding import OracleProposer
 
@@ -42,6 +42,20 @@ def test_packed_linear_matches_linear_for_every_row_count():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
     assert pack_linears(model) == 2 and unpack_linears(model) == 2
     assert type(model[0]) is nn.Linear and type(model[2][0]) is nn.Linear
+
+
+def test_packed_row_threshold_is_measured_or_overridden_within_bounds(monkeypatch):
+    assert 1 <= packed_min_rows() <= PACKED_MIN_ROWS
+    try:
+        packed_min_rows.cache_clear()
+        monkeypatch.setenv("DFLASHKIT_PACKED_MIN_ROWS", "2")
+        assert packed_min_rows() == 2
+        packed_min_rows.cache_clear()
+        monkeypatch.setenv("DFLASHKIT_PACKED_MIN_ROWS", "9")
+        with pytest.raises(ValueError, match="whole number from 1 to 4"):
+            packed_min_rows()
+    finally:
+        packed_min_rows.cache_clear()
 
 
 def test_in_place_cache_equals_dynamic_cache_through_growth_and_rollback():
