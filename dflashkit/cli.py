@@ -229,6 +229,13 @@ def cmd_bench(args) -> int:
     return 3 if report["lossless"] is False else 0
 
 
+def cmd_bench_combine(args) -> int:
+    from .bench_combine import combine
+    report = combine(args.runs, args.out)
+    print((args.out / "report.md").read_text())
+    return 3 if report["lossless"] is False else 0
+
+
 def cmd_bench_cost(args) -> int:
     from .checkpoint import load_drafter
     from .costbench import cost_table, run_cost_bench
@@ -359,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run nothing: redraw report.md, summary.json and the plots from the "
                             "records in --out (a run in progress or interrupted is marked partial)")
     bench.set_defaults(func=cmd_bench)
+    combine = sub.add_parser("bench-combine",
+                             help="one report from several bench runs, each covering its own suites")
+    combine.add_argument("runs", type=Path, nargs="+", help="--out folders of `dflashkit bench` runs")
+    combine.add_argument("--out", type=Path, required=True, help="folder for the combined report")
+    combine.set_defaults(func=cmd_bench_combine)
 
     from .export import add_export_parsers
     from .server import add_serve_parsers

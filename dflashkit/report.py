@@ -487,9 +487,9 @@ def write_report(out_dir: Path, records: list[Record], run: dict, config: dict, 
     return report
 
 
-def report_from_folder(out_dir: Path) -> dict:
-    """Re-render the report of the run in ``out_dir`` from its records, running nothing: for a
-    run still in progress or interrupted (reported as partial), or to redraw the plots."""
+def load_run_folder(out_dir: Path) -> dict:
+    """A bench run's fingerprint, environment, checked records and expected record count, read
+    from ``out_dir`` without writing anything there."""
     run_file, env_file, log_file = out_dir / "run.json", out_dir / "environment.json", out_dir / "records.jsonl"
     missing = [f.name for f in (run_file, env_file, log_file) if not f.exists()]
     if missing:
@@ -498,10 +498,19 @@ def report_from_folder(out_dir: Path) -> dict:
     run = json.loads(run_file.read_text())
     records = read_records(log_file)
     attach_checks(records, SamplingConfig(**run["sampling"]).greedy)
-    write_records(log_file, records)   # every line with its checks and metrics (an older run's too)
     prompts = [p for s in run["suites"] for p in load_suite(s, run["num_prompts"], run["seed"])]
     turns = sum(len(p.turns[:run["max_turns"]] if run.get("max_turns") else p.turns) for p in prompts)
     summary_file = out_dir / "summary.json"
     config = json.loads(summary_file.read_text()).get("config", run) if summary_file.exists() else run
-    return write_report(out_dir, records, run, config, json.loads(env_file.read_text()),
-                        expected=turns * len(run["methods"]))
+    return {"run": run, "environment": json.loads(env_file.read_text()), "records": records,
+            "config": config, "expected": turns * len(run["methods"])}
+
+
+def report_from_folder(out_dir: Path) -> dict:
+    """Re-render the report of the run in ``out_dir`` from its records, running nothing: for a
+    run still in progress or interrupted (reported as partial), or to redraw the plots."""
+    part = load_run_folder(out_dir)
+    # every line with its checks and metrics (an older run's too)
+    write_records(out_dir / "records.jsonl", part["records"])
+    return write_report(out_dir, part["records"], part["run"], part["config"], part["environment"],
+                        expected=part["expected"])

@@ -398,3 +398,46 @@ def test_assisted_with_a_draft_model_of_another_tokenizer_is_lossless():
     ar = methods["ar"](ids, 16, SamplingConfig(), [])
     assisted = methods["assisted:smol"](ids, 16, SamplingConfig(), [])
     assert len(ar.tokens) == 16 and assisted.tokens == ar.tokens
+
+
+def test_runs_of_separate_suites_combine_into_one_report_and_mismatched_ones_are_refused(tmp_path, monkeypatch):
+    """bench-combine: parts measured per suite (one run each, perhaps on another machine)
+    side by side, read only; parts of another configuration or sharing a suite refused."""
+    from dflashkit.bench_combine import CombineError, combine
+    target = _tiny_bench(monkeypatch, [])
+    suite_prompts = lambda s, n, seed: [BenchPrompt(s, f"{s}{i}", [f"{s} task {i}"]) for i in range(2)]
+    monkeypatch.setattr("dflashkit.bench.load_suite", suite_prompts)
+    monkeypatch.setattr("dflashkit.report.load_suite", suite_prompts)
+    drafter = init_drafter(config_for_target(target, num_layers=1, block_size=4, mask_token_id=MASK))
+
+    def part(name, suite, names, tokens=8):
+        methods = make_methods(names, target, drafter, block_size=4)
+        run_bench(target, methods, [suite], 2, tokens, SamplingConfig(), 0, tmp_path / name,
+                  {"target": "tiny", "block_size": 4}, progress=False, warmup=False)
+        return tmp_path / name
+
+    a = part("he", "humaneval", ["ar", "ar-loop", "dflash"])
+    b = part("gsm", "gsm", ["ar", "ar-loop", "dflash", "dflash:2"])
+    env = json.loads((b / "environment.json").read_text())
+    (b / "environment.json").write_text(json.dumps({**env, "cpu": "Another CPU"}))
+    before = (a / "records.jsonl").read_bytes()
+    report = combine([a, b], tmp_path / "all")
+    assert (a / "records.jsonl").read_bytes() == before                     # parts only read
+    assert list(report["summary"]) == ["humaneval", "gsm"] and report["lossless"] is True
+    assert report["records"] == report["expected_records"] == 2 * 3 + 2 * 4
+    assert "dflash:2" not in report["summary"]["humaneval"] and "dflash:2" in report["summary"]["gsm"]
+    md = (tmp_path / "all" / "report.md").read_text()
+    assert "| suite | ar | ar-loop | dflash | dflash:2 |" in md
+    assert md.count("| humaneval |") == 1 and "| humaneval | " in md and " | - |" in md
+    assert "**The parts ran on different CPUs**" in md and "Another CPU" in md
+    assert "Lossless: every greedy output identical to `ar`." in md
+    assert (tmp_path / "all" / "speedup.png").exists() and "Partial" not in md
+
+    c = part("he2", "humaneval", ["ar", "ar-loop", "dflash"])
+    with pytest.raises(CombineError, match="suite 'humaneval' is in both"):
+        combine([a, c], tmp_path / "bad")
+    d = part("chat", "chat", ["ar", "ar-loop", "dflash"], tokens=6)
+    with pytest.raises(CombineError, match="differs from .* in max_new_tokens: 6 vs 8"):
+        combine([a, d], tmp_path / "bad")
+    with pytest.raises(CombineError, match="holds no bench run"):
+        combine([a, tmp_path], tmp_path / "bad")
