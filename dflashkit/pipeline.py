@@ -89,7 +89,10 @@ def run_data_stage(cfg: PipelineConfig, target=None, progress: bool = True) -> P
     from .prompts import training_prompts
     from .regenerate import regenerate
     from .target import load_target
+    from .regenerate import check_data_config
     meta = cfg.data_dir / "meta.json"
+    if not (cfg.shared_data_dir and "data" not in cfg.raw):   # another run's data, as it is
+        check_data_config(cfg.data_dir, cfg.target, cfg.data)
     if meta.exists():
         print(f"data: complete ({json.loads(meta.read_text())['num_samples']} samples) in {cfg.data_dir}")
         return cfg.data_dir

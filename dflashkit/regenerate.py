@@ -9,6 +9,8 @@ generation (one pass serves both) and stored beside the tokens:
     OUT/features/NNNNNN.safetensors   per-sample features [num_tokens - 1, K*H] (bf16)
     OUT/teacher/...          per-sample top-k of the distribution each response token was
                              picked from (teacher.py; for distillation)
+    OUT/config.json          what the data is made of (target + DataConfig), written first:
+                             a rerun with another config is refused, never mixed in
     OUT/meta.json            target, layer ids, counts (written when the stage completes)
 
 Writes are resumable: a shard is written atomically BEFORE its records are appended (and
@@ -55,6 +57,41 @@ class DataConfig:
     # "bfloat16" regenerates on the bf16 fast path (CPUs with AMX): ~118 vs ~93 tokens/s here;
     # the text can differ from fp32 greedy decoding only where two logits tie.
     dtype: str = "float32"
+
+
+# what changes the samples (batch size and out_dir do not: each row is generated as if alone)
+DATA_KEYS = ("num_code", "num_math", "num_chat", "num_docs", "seed", "max_prompt_tokens",
+             "max_new_tokens", "feature_layers", "store_features", "teacher_top_k", "dtype")
+
+
+class DataMismatch(ValueError):
+    """The data folder holds samples made with another configuration."""
+
+
+def data_fingerprint(target_name: str, cfg: DataConfig) -> dict:
+    return {"target": str(target_name), **{k: getattr(cfg, k) for k in DATA_KEYS}}
+
+
+def check_data_config(out_dir: str | Path, target_name: str, cfg: DataConfig) -> None:
+    """Refuse to reuse or extend data made with another configuration (a silent mix of two
+    recipes, or a stale stage skipped as "complete"). Folders from before config.json was
+    written are checked against meta.json's copy when the stage completed."""
+    out = Path(out_dir)
+    old = None
+    if (out / "config.json").exists():
+        old = json.loads((out / "config.json").read_text())
+    elif (out / "meta.json").exists():
+        meta = json.loads((out / "meta.json").read_text())
+        old = {"target": meta.get("target"), **(meta.get("config") or {})}
+    if old is None:
+        return
+    new = data_fingerprint(target_name, cfg)
+    diffs = [f"{k}: {old.get(k)!r} there, {v!r} in this config" for k, v in new.items()
+             if k in old and old[k] != v and not (k == "feature_layers" and not v)]
+    if diffs:
+        raise DataMismatch(f"{out} holds data made with another configuration ({'; '.join(diffs)}). "
+                           f"Point run_dir (or data_dir) at a new folder, or delete {out} to "
+                           f"regenerate it with this config")
 
 
 def read_samples(out_dir: str | Path) -> list[dict]:
@@ -142,7 +179,11 @@ def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, s
 def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: bool = True) -> Path:
     """Run (or resume) the data stage; returns the output folder."""
     out = Path(cfg.out_dir)
+    check_data_config(out, target.name, cfg)
     (out / "features").mkdir(parents=True, exist_ok=True)
+    if not (out / "config.json").exists():
+        text = json.dumps(data_fingerprint(target.name, cfg), indent=2)
+        atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(text))
     samples_path = out / "samples.jsonl"
     repair_tail(samples_path)
     done = read_samples(out)

@@ -388,3 +388,22 @@ def test_under_torchrun_only_rank_0_runs_the_data_stage(tmp_path, monkeypatch, c
     monkeypatch.setenv("RANK", "0")
     pipeline.run_stages(cfg, ["data"])
     assert ran == ["data"]
+
+
+def test_data_made_with_another_config_is_refused_not_mixed_or_skipped(tiny_run, tmp_path):
+    """A rerun whose data config differs (here max_new_tokens) must not extend the folder
+    with a second recipe, nor skip the stage as complete; batch size does not matter."""
+    from dflashkit.regenerate import DataMismatch, check_data_config
+    _, target = tiny_run
+    cfg = DataConfig(out_dir=str(tmp_path / "data"), max_new_tokens=8, batch_size=4, feature_layers=LAYERS)
+    regenerate(target, _prompts(4, seed=2), cfg, progress=False)
+    assert json.loads((tmp_path / "data" / "config.json").read_text())["max_new_tokens"] == 8
+    changed = DataConfig(out_dir=cfg.out_dir, max_new_tokens=9, batch_size=4, feature_layers=LAYERS)
+    with pytest.raises(DataMismatch, match="max_new_tokens: 8 there, 9 in this config.*delete"):
+        regenerate(target, _prompts(6, seed=2), changed, progress=False)
+    assert len(read_samples(tmp_path / "data")) == 4
+    (tmp_path / "data" / "config.json").unlink()             # a folder from before config.json
+    with pytest.raises(DataMismatch, match="max_new_tokens"):
+        check_data_config(tmp_path / "data", target.name, changed)     # meta.json's copy
+    same = DataConfig(out_dir=cfg.out_dir, max_new_tokens=8, batch_size=2, feature_layers=[])
+    check_data_config(tmp_path / "data", target.name, same)   # layers resolved later: not compared
