@@ -44,7 +44,6 @@ class DrafterSpec:
 class TrainConfig:
     epochs: float = 4.0
     global_batch: int = 8            # sequences per optimizer step (all ranks together)
-    micro_batch: int = 1             # sequences per forward/backward
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
@@ -155,9 +154,11 @@ class Trainer:
                  drafter_spec: DrafterSpec, cfg: TrainConfig, progress: bool = True):
         from .target import load_target, load_target_head
         self.rank, self.world = init_distributed()
-        if cfg.global_batch % (cfg.micro_batch * self.world):
-            raise ValueError(f"global_batch ({cfg.global_batch}) must be a multiple of micro_batch "
-                             f"({cfg.micro_batch}) x processes ({self.world})")
+        if cfg.global_batch % self.world:
+            # each sequence runs its own forward/backward (gradients accumulate over them), so a
+            # step needs the same number of sequences on every process
+            raise ValueError(f"global_batch ({cfg.global_batch}) must be a multiple of the number "
+                             f"of processes ({self.world})")
         if cfg.features not in ("stored", "online"):
             raise ValueError(f"train.features must be 'stored' or 'online', got {cfg.features!r}")
         if cfg.threads:
