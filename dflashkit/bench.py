@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from .baselines import hf_generate
 from .checkpoint import atomic_write
-from .costs import cpu_model
+from .costs import cpu_features, cpu_model
 from .decoding import DFlashProposer, speculative_generate
 from .report import (Record, attach_checks, mismatch_kind, read_records, record_line, summarize,
                      write_records, write_report)
@@ -152,7 +152,8 @@ def _from_loop(r) -> RunResult:
 
 
 # what must not change when a run resumes: the timings would not compare
-MACHINE_KEYS = ("cpu", "cores", "torch_threads", "torch", "transformers")
+MACHINE_KEYS = ("cpu", "cpu_features", "cores", "torch_threads", "torch", "transformers",
+                "packed_min_rows")
 
 
 def environment() -> dict:
@@ -164,7 +165,9 @@ def environment() -> dict:
         except metadata.PackageNotFoundError:
             versions[package] = None
     import transformers
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    from .fastpath import packed_min_rows
+    return {"cpu": cpu_model(), "cpu_features": cpu_features(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "packed_min_rows": packed_min_rows(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "packages": versions, "dflashkit_commit": _git_commit(),
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -228,7 +231,8 @@ def _run_environment(out_dir: Path, fresh_start: bool) -> dict:
         atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(now, indent=1)))
         return now
     env = json.loads(path.read_text())
-    changed = [k for k in MACHINE_KEYS if env.get(k) != now.get(k)]
+    # keys an older run did not record yet are not held against it
+    changed = [k for k in MACHINE_KEYS if k in env and env.get(k) != now.get(k)]
     if changed:
         hint = (f" (resume with OMP_NUM_THREADS={env.get('torch_threads')})"
                 if "torch_threads" in changed else "")

@@ -64,16 +64,39 @@ def check_parts(parts: list[dict]) -> None:
             seen[suite] = part["folder"]
 
 
+def _commit(env: dict) -> str:
+    commit = str(env.get("dflashkit_commit") or "?")
+    return commit[:10] + ("+changes" if commit.endswith("+changes") else "")
+
+
 def _machine(env: dict) -> str:
+    resumed = env.get("resumed_at") or []
     return (f"{env['cpu']}, {env['torch_threads']} threads, torch {env['torch']}, transformers "
-            f"{env['transformers']}, dflashkit {str(env.get('dflashkit_commit') or '?')[:10]}, "
-            f"started {env['time']}")
+            f"{env['transformers']}, dflashkit {_commit(env)}, started {env['time']}"
+            + (f", resumed {len(resumed)} time(s) ({', '.join(resumed)})" if resumed else ""))
+
+
+# what makes two parts' tokens/s comparable: the same CPU (by model name and the flags that
+# choose kernels), cores and threads; keys a part did not record are not held against it
+MACHINE_KEYS = ("cpu", "cpu_features", "cores", "torch_threads", "packed_min_rows")
+
+
+def machine_differences(parts: list[dict]) -> list[str]:
+    keys = []
+    for key in MACHINE_KEYS:
+        values = {json.dumps(p["env"][key]) for p in parts if key in p["env"]}
+        if len(values) > 1:
+            keys.append(key)
+    return keys
 
 
 def combine(folders: list[Path], out_dir: Path) -> dict:
     """Write summary.json, report.md and the plots for the parts in ``folders`` to ``out_dir``."""
     parts = [_load_part(Path(f)) for f in folders]
     check_parts(parts)
+    if (Path(out_dir) / "run.json").exists():
+        raise CombineError(f"--out {out_dir} holds a bench run (one of the parts, or another): its "
+                           f"report would be overwritten; write the combined report to another folder")
     methods = list(dict.fromkeys(m for p in parts for m in p["run"]["methods"]))
     suites = [s for p in parts for s in p["run"]["suites"]]
     summary = {s: p["summary"][s] for p in parts for s in p["run"]["suites"] if s in p["summary"]}
@@ -105,16 +128,18 @@ def combine(folders: list[Path], out_dir: Path) -> dict:
         f"- {', '.join(p['run']['suites'])}: [{rel[p['folder']]}]({rel[p['folder']]}/report.md), "
         f"{len(p['records'])} of {p['expected']} runs; {_machine(p['env'])}\n"
         for p in parts)
-    same_cpu = len({(p["env"]["cpu"], p["env"]["torch_threads"]) for p in parts}) == 1
+    differ = machine_differences(parts)
+    turns = f", first {run['max_turns']} turn(s) of each prompt only" if run.get("max_turns") else ""
     md = (f"# dflashkit bench (combined)\n\n{partial}Target `{run['target']}`, drafter weights sha256 "
           f"`{str(run.get('drafter_sha256'))[:12]}`, {run['num_prompts']} prompts per suite, max "
           f"{run['max_new_tokens']} new tokens, temperature {sampling.temperature}, seed {run['seed']}, "
-          f"{_dtype_name(run['dtype'])} weights.\n\n"
+          f"{_dtype_name(run['dtype'])} weights"
+          f"{turns}.\n\n"
           f"Each suite was measured in one `dflashkit bench` run, every method interleaved prompt "
           f"by prompt on one machine, so each speedup is a same-run ratio. "
-          + ("All parts ran on the same CPU model." if same_cpu else
-             "**The parts ran on different CPUs**: speedups compare across suites, tokens/s only "
-             "between suites measured on the same machine.")
+          + ("All parts ran on the same kind of machine." if not differ else
+             f"**The parts ran on different machines** ({', '.join(differ)} differ): speedups "
+             f"compare across suites, tokens/s only between suites measured on the same machine.")
           + f" Parts:\n\n{machines}\n"
           f"Cells: tau (mean tokens committed per target pass), decode tokens/s, pooled decode "
           f"speedup over `ar` (Hugging Face generate) and, in brackets, over `ar-loop` (our own "
@@ -124,7 +149,9 @@ def combine(folders: list[Path], out_dir: Path) -> dict:
           + "\n## Per suite\n\nPlots: `speedup.png`, `acceptance.png`; the records of each part are "
             "in its folder's `records.jsonl`.\n\n" + details_tables(summary, methods)
           + ("\n## Paired comparisons\n\nBootstrap over prompt-turns (4,000 resamples, seed 0); a "
-             "ratio above 1 means the first method decoded faster. Pairs never cross machines.\n\n"
+             "ratio above 1 means the first method decoded faster. Each pair is one prompt-turn "
+             "of one run; the `all` row pools the suites' pairs"
+             + (" (measured on different machines)" if differ else "") + ".\n\n"
              + paired_md if paired else ""))
     atomic_write(out_dir / "report.md", lambda tmp: Path(tmp).write_text(md))
     plot(summary, methods, out_dir)

@@ -273,11 +273,12 @@ def cpu_features() -> list[str]:
 
 def _cache_key(target, drafter_id: str, max_q: int, kv_length: int) -> str:
     import transformers
+    from .fastpath import packed_min_rows     # which kernel runs 1-3 rows changes the curve
     ident = json.dumps([target.name, target.config.to_dict().get("num_hidden_layers"),
                         target.hidden_size, "fast" if target.fast_path else "default",
                         str(target.dtype), drafter_id, max_q, kv_length, torch.get_num_threads(), cpu_model(),
                         cpu_features(), os.cpu_count(), torch.__version__, transformers.__version__,
-                        target.model.config._attn_implementation, CURVE_VERSION])
+                        target.model.config._attn_implementation, packed_min_rows(), CURVE_VERSION])
     return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 

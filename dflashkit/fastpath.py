@@ -4,10 +4,11 @@ Two things make verify passes cheap on a CPU:
 
 * **Prepacked linear weights.** PyTorch's default small-batch matmul (M = 2..16 rows) is far
   from the machine's floor; oneDNN with weights reordered once into its blocked layout is
-  up to 2x faster from 4 rows on. For 1-3 rows (plain decoding) the default kernel is already
-  near the memory-bandwidth floor and ahead of oneDNN, so :class:`PackedLinear` keeps both:
-  the original weight for few rows, the packed copy for more. The cost is a second copy of
-  the linear weights in memory.
+  up to 2x faster from 4 rows on. For 1-3 rows (plain decoding) it depends on the CPU: on
+  one machine here the default kernel was at the bandwidth floor and ahead of oneDNN, on
+  another oneDNN was 1.7x faster even at one row. So :class:`PackedLinear` keeps both, the
+  original weight and a packed copy, and uses the packed one from the row count measured on
+  this machine (:func:`packed_min_rows`). The cost is a second copy of the linear weights.
 * **A KV cache written in place** (:class:`InPlaceCache`): keys and values go into
   preallocated buffers that grow by doubling, so a step does not re-concatenate the whole
   cache, and a rollback only moves a length.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -77,17 +79,47 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
 # Below this many rows PyTorch's default fp32 kernel can be as fast as oneDNN's packed one or
 # faster, depending on the CPU: on an Intel Xeon (AMX) here, whole 0.5B forward at KV 256,
 # default vs packed (ms): q=1 84/95, q=3 92/104, q=4 177/106; on an AMD EPYC (Zen 4) here,
-# packed was ahead from one row on (q=1 146 vs ~85). So the crossover is measured once per
-# process on this CPU (:func:`packed_min_rows`); this is the most it can be.
+# packed was ahead from one row on (q=1 146 vs ~88). So the crossover is measured once per
+# machine (:func:`packed_min_rows`); this is the most it can be.
 PACKED_MIN_ROWS = 4
+_THRESHOLD_VERSION = 1
+
+
+def _measure_packed_min_rows() -> int:
+    """Time both kernels at 1..3 rows over a set of MLP-shaped weights (0.5B model: 4864 x
+    896) bigger than any last-level cache, so they stream from memory as a model's do; the
+    kernels alternate within each round, so drift on a busy machine hits both alike."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(4864, 896, generator=g) for _ in range(8)]   # 140 MB in all
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    kernels = {"default": lambda x, w, p: F.linear(x, w),
+               "packed": lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")}
+    threshold = PACKED_MIN_ROWS
+    with torch.inference_mode():
+        for rows in range(PACKED_MIN_ROWS - 1, 0, -1):
+            x = torch.randn(1, rows, 896, generator=g)
+            times: dict[str, list[float]] = {k: [] for k in kernels}
+            for r in range(8):                     # round 0 warms up
+                for name, run in kernels.items():
+                    start = time.perf_counter()
+                    for w, p in zip(weights, packed):
+                        run(x, w, p)
+                    if r:
+                        times[name].append(time.perf_counter() - start)
+            median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+            if median["packed"] > median["default"]:
+                break
+            threshold = rows
+    return threshold
 
 
 @functools.cache
 def packed_min_rows() -> int:
     """The fewest rows from which oneDNN's packed fp32 matmul beats PyTorch's default kernel
-    on this CPU, at every row count up to :data:`PACKED_MIN_ROWS`. Measured on weights of a
-    0.5B model's MLP shape, larger in all than the last-level cache so they stream from memory
-    as a model's do (~0.3 s, once per process). ``DFLASHKIT_PACKED_MIN_ROWS`` overrides it."""
+    on this CPU, at every row count up to :data:`PACKED_MIN_ROWS`. Measured once per machine
+    (~1 s) and kept beside the cost curves (``~/.cache/dflashkit/costs``), so every process
+    on a machine runs the same kernels (the cost curves and bench runs depend on it).
+    ``DFLASHKIT_PACKED_MIN_ROWS`` overrides it."""
     override = os.environ.get("DFLASHKIT_PACKED_MIN_ROWS")
     if override:
         if not override.isdigit() or not 1 <= int(override) <= PACKED_MIN_ROWS:
@@ -96,29 +128,24 @@ def packed_min_rows() -> int:
         return int(override)
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return PACKED_MIN_ROWS
-    g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(4864, 896, generator=g) for _ in range(4)]   # 70 MB in all
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-
-    def ms(run, rows: int) -> float:
-        x = torch.randn(1, rows, 896, generator=g)
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for w, p in zip(weights, packed):
-                run(x, w, p)
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
-
-    threshold = PACKED_MIN_ROWS
-    with torch.inference_mode():
-        for rows in range(PACKED_MIN_ROWS - 1, 0, -1):
-            default = ms(lambda x, w, p: F.linear(x, w), rows)
-            oneDNN = ms(lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), rows)
-            if oneDNN > default:
-                break
-            threshold = rows
-    return threshold
+    import hashlib
+    import json
+    from .checkpoint import atomic_write
+    from .costs import cache_dir, cpu_features, cpu_model
+    ident = json.dumps([cpu_model(), cpu_features(), os.cpu_count(), torch.get_num_threads(),
+                        torch.__version__, _THRESHOLD_VERSION])
+    path = cache_dir() / f"packed-min-rows-{hashlib.sha1(ident.encode()).hexdigest()[:16]}.json"
+    try:
+        value = int(json.loads(path.read_text())["packed_min_rows"])
+        if 1 <= value <= PACKED_MIN_ROWS:
+            return value
+    except (OSError, ValueError, KeyError, TypeError):
+        pass                              # absent or damaged: measured again
+    value = _measure_packed_min_rows()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"packed_min_rows": value, "machine": json.loads(ident)})
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    return value
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -59,7 +59,8 @@ class DataConfig:
     dtype: str = "float32"
 
 
-# what changes the samples (batch size and out_dir do not: each row is generated as if alone)
+# what changes the samples (out_dir does not; batch size changes only kernel rounding, where two
+# logits tie, as a thread count does)
 DATA_KEYS = ("num_code", "num_math", "num_chat", "num_docs", "seed", "max_prompt_tokens",
              "max_new_tokens", "feature_layers", "store_features", "teacher_top_k", "dtype")
 
@@ -69,7 +70,10 @@ class DataMismatch(ValueError):
 
 
 def data_fingerprint(target_name: str, cfg: DataConfig) -> dict:
-    return {"target": str(target_name), **{k: getattr(cfg, k) for k in DATA_KEYS}}
+    from .fastpath import DTYPES
+    out = {"target": str(target_name), **{k: getattr(cfg, k) for k in DATA_KEYS}}
+    out["dtype"] = str(DTYPES.get(out["dtype"], out["dtype"])).removeprefix("torch.")  # bf16 = bfloat16
+    return out
 
 
 def check_data_config(out_dir: str | Path, target_name: str, cfg: DataConfig) -> None:
@@ -84,14 +88,20 @@ def check_data_config(out_dir: str | Path, target_name: str, cfg: DataConfig) ->
         meta = json.loads((out / "meta.json").read_text())
         old = {"target": meta.get("target"), **(meta.get("config") or {})}
     if old is None:
+        if read_samples(out):
+            raise DataMismatch(f"{out} holds samples but no record of the configuration that made "
+                               f"them (a run from before dflashkit wrote config.json): delete {out} "
+                               f"to regenerate, or point run_dir at a new folder")
         return
     new = data_fingerprint(target_name, cfg)
+    if "dtype" in old:
+        old = {**old, "dtype": data_fingerprint(target_name, DataConfig(dtype=old["dtype"]))["dtype"]}
     diffs = [f"{k}: {old.get(k)!r} there, {v!r} in this config" for k, v in new.items()
              if k in old and old[k] != v and not (k == "feature_layers" and not v)]
     if diffs:
         raise DataMismatch(f"{out} holds data made with another configuration ({'; '.join(diffs)}). "
-                           f"Point run_dir (or data_dir) at a new folder, or delete {out} to "
-                           f"regenerate it with this config")
+                           f"Point run_dir at a new folder, restore those settings, or (only if no "
+                           f"other run trains on it) delete {out} to regenerate it with this config")
 
 
 def read_samples(out_dir: str | Path) -> list[dict]:

@@ -391,8 +391,11 @@ def plot(summary: dict, methods: list[str], out: Path) -> list[Path]:
     width = 0.8 / max(1, len(methods))
     for ax, (key, label) in zip(axes[:, 0], bases):
         for i, m in enumerate(methods):
-            vals = [summary[s].get(m, {}).get(key) or 0 for s in suites]
-            ax.bar([j + i * width for j in range(len(suites))], vals, width, label=m)
+            # a method not run on a suite (or without a base there) gets no bar, not a 0.00x one
+            ran = [(j, summary[s][m][key]) for j, s in enumerate(suites) if summary[s].get(m, {}).get(key)]
+            if not ran:
+                continue
+            ax.bar([j + i * width for j, _ in ran], [v for _, v in ran], width, label=m, color=f"C{i}")
             ax.bar_label(ax.containers[-1], fmt="%.2f", fontsize=6, padding=1)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(suites))], suites)

@@ -369,8 +369,10 @@ class Trainer:
         if not self.ckpt_path.exists():
             return False
         blob = torch.load(self.ckpt_path, weights_only=False)
-        same = {k: v for k, v in blob["config"].items() if k != "max_steps"} == \
-            {k: v for k, v in asdict(self.cfg).items() if k != "max_steps"}
+        # fields a later version dropped (micro_batch, which never changed a step) are not
+        # held against a checkpoint; max_steps may grow to train on
+        now = {k: v for k, v in asdict(self.cfg).items() if k != "max_steps"}
+        same = {k: v for k, v in blob["config"].items() if k in now} == now
         if not same or blob["spec"] != asdict(self.spec):
             raise ValueError(f"{self.ckpt_path} was written by a different train/drafter config; "
                              f"move it away to start afresh, or restore the original config")

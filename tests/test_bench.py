@@ -429,7 +429,9 @@ def test_runs_of_separate_suites_combine_into_one_report_and_mismatched_ones_are
     md = (tmp_path / "all" / "report.md").read_text()
     assert "| suite | ar | ar-loop | dflash | dflash:2 |" in md
     assert md.count("| humaneval |") == 1 and "| humaneval | " in md and " | - |" in md
-    assert "**The parts ran on different CPUs**" in md and "Another CPU" in md
+    assert "**The parts ran on different machines** (cpu differ)" in md and "Another CPU" in md
+    with pytest.raises(CombineError, match="holds a bench run"):
+        combine([a, b], b)                                               # a part's own report
     assert "Lossless: every greedy output identical to `ar`." in md
     assert (tmp_path / "all" / "speedup.png").exists() and "Partial" not in md
 

@@ -44,9 +44,21 @@ def test_packed_linear_matches_linear_for_every_row_count():
     assert type(model[0]) is nn.Linear and type(model[2][0]) is nn.Linear
 
 
-def test_packed_row_threshold_is_measured_or_overridden_within_bounds(monkeypatch):
+def test_packed_row_threshold_is_measured_once_per_machine_or_overridden(monkeypatch, tmp_path):
+    import dflashkit.fastpath as fastpath
     assert 1 <= packed_min_rows() <= PACKED_MIN_ROWS
+    measured = []
+    monkeypatch.setattr(fastpath, "_measure_packed_min_rows", lambda: measured.append(1) or 3)
+    monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path))
     try:
+        packed_min_rows.cache_clear()
+        assert packed_min_rows() == 3 and len(measured) == 1
+        packed_min_rows.cache_clear()                 # another process on this machine: read back
+        assert packed_min_rows() == 3 and len(measured) == 1
+        [kept] = (tmp_path / "costs").glob("packed-min-rows-*.json")
+        kept.write_text("{damaged")
+        packed_min_rows.cache_clear()
+        assert packed_min_rows() == 3 and len(measured) == 2
         packed_min_rows.cache_clear()
         monkeypatch.setenv("DFLASHKIT_PACKED_MIN_ROWS", "2")
         assert packed_min_rows() == 2

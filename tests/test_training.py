@@ -405,5 +405,8 @@ def test_data_made_with_another_config_is_refused_not_mixed_or_skipped(tiny_run,
     (tmp_path / "data" / "config.json").unlink()             # a folder from before config.json
     with pytest.raises(DataMismatch, match="max_new_tokens"):
         check_data_config(tmp_path / "data", target.name, changed)     # meta.json's copy
-    same = DataConfig(out_dir=cfg.out_dir, max_new_tokens=8, batch_size=2, feature_layers=[])
-    check_data_config(tmp_path / "data", target.name, same)   # layers resolved later: not compared
+    same = DataConfig(out_dir=cfg.out_dir, max_new_tokens=8, batch_size=2, feature_layers=[], dtype="fp32")
+    check_data_config(tmp_path / "data", target.name, same)   # layers resolved later; fp32 = float32
+    (tmp_path / "data" / "meta.json").unlink()                # interrupted before either was written
+    with pytest.raises(DataMismatch, match="holds samples but no record of the configuration"):
+        check_data_config(tmp_path / "data", target.name, same)
