@@ -151,9 +151,10 @@ def _from_loop(r) -> RunResult:
                      st.slot_drafted)
 
 
-# what must not change when a run resumes: the timings would not compare
+# what must not change when a run resumes: the timings would not compare (the code included:
+# a resume after a speed fix would mix records of two programs)
 MACHINE_KEYS = ("cpu", "cpu_features", "cores", "torch_threads", "torch", "transformers",
-                "packed_min_rows")
+                "packed_min_rows", "dflashkit_commit")
 
 
 def environment() -> dict:
@@ -235,7 +236,9 @@ def _run_environment(out_dir: Path, fresh_start: bool) -> dict:
     changed = [k for k in MACHINE_KEYS if k in env and env.get(k) != now.get(k)]
     if changed:
         hint = (f" (resume with OMP_NUM_THREADS={env.get('torch_threads')})"
-                if "torch_threads" in changed else "")
+                if "torch_threads" in changed else
+                f" (resume from a checkout of {env.get('dflashkit_commit')})"
+                if changed == ["dflashkit_commit"] else "")
         raise ValueError(f"{out_dir} was measured with "
                          + ", ".join(f"{k} {env.get(k)!r}" for k in changed) + " and this process has "
                          + ", ".join(f"{k} {now.get(k)!r}" for k in changed)

@@ -253,6 +253,9 @@ def test_an_interrupted_bench_resumes_without_rerunning_or_duplicating(tmp_path)
         (tmp_path / "environment.json").write_text(json.dumps({**env, "transformers": "0.0.1"}))
         with pytest.raises(ValueError, match="transformers '0.0.1'"):
             run_bench(*args, progress=False)
+        (tmp_path / "environment.json").write_text(json.dumps({**env, "dflashkit_commit": "0123abc"}))
+        with pytest.raises(ValueError, match="dflashkit_commit '0123abc'.*from a checkout of 0123abc"):
+            run_bench(*args, progress=False)                   # other code: other timings
         (tmp_path / "environment.json").write_text(json.dumps(env))
         lines = (tmp_path / "records.jsonl").read_text().splitlines()
         (tmp_path / "records.jsonl").write_text("\n".join(lines[:3] + ['{"suite": 1'] + lines[3:]) + "\n")
