@@ -129,11 +129,12 @@ def measure_verify_ms(target, qs: list[int], kv_length: int, capture: list[int] 
 
 
 @torch.inference_mode()
-def measure_step_verify_ms(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
-                           rounds: int = 7) -> dict[int, float]:
+def measure_step_verify_rounds(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
+                               rounds: int = 7) -> dict[int, list[float]]:
     """What the decoding loop pays to verify q tokens: the target pass plus the acceptance
-    (argmax over the vocabulary per row), median over ``rounds`` rounds that each visit every
-    q once, so drift on a busy machine is spread over all q instead of landing on a few."""
+    (argmax over the vocabulary per row), in ``rounds`` rounds that each visit every q once,
+    so drift on a busy machine is spread over all q instead of landing on a few, and two q
+    can be compared round by round (smooth_costs)."""
     g = torch.Generator().manual_seed(0)
     low, vocab = min(100, target.num_embeddings // 4), min(target.num_embeddings, 20000)
     cache = target.new_cache()
@@ -149,15 +150,39 @@ def measure_step_verify_ms(target, qs: list[int], kv_length: int, capture: list[
             target.rollback(cache, kv_length)
             if r:
                 times[q].append(elapsed)
-    return {q: statistics.median(v) for q, v in times.items()}
+    return times
 
 
-def smooth_costs(points: dict[int, float], tolerance: float = 0.05) -> dict[int, float]:
+def measure_step_verify_ms(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
+                           rounds: int = 7) -> dict[int, float]:
+    """The median of measure_step_verify_rounds per q."""
+    return {q: statistics.median(v) for q, v in
+            measure_step_verify_rounds(target, qs, kv_length, capture, rounds).items()}
+
+
+def cheaper_in_every_round(rounds: dict[int, list[float]], q: int, other: int,
+                           min_effect: float = 0.01) -> bool:
+    """True when a pass over ``other`` rows was faster than one over ``q`` rows in every round
+    and by at least ``min_effect`` in the median round: a real property of the kernels (a
+    sign test: 7 rounds agree by chance with probability 1/128), not noise."""
+    a, b = rounds.get(q), rounds.get(other)
+    if not a or not b or len(a) != len(b) or len(a) < 5:
+        return False
+    diffs = [x - y for x, y in zip(a, b)]
+    return min(diffs) > 0 and statistics.median(diffs) >= min_effect * statistics.median(a)
+
+
+def smooth_costs(points: dict[int, float], tolerance: float = 0.05,
+                 rounds: dict[int, list[float]] | None = None) -> dict[int, float]:
     """A non-decreasing curve through noisy per-q medians. A verify pass costs about a fixed
     part plus a part per row, so the least-squares line is used when it passes within
-    ``tolerance`` of every point; a curve with a kink (a kernel switching at some q) gets
-    the isotonic fit (adjacent violators pooled) instead. Noise alone must not make q + 1
-    look cheaper than q: the policy would verify the extra row for free."""
+    ``tolerance`` of every point. Otherwise the curve has kernel structure: on a CPU whose
+    matmul kernels block rows by 6, a 6-row pass can be truly cheaper than a 3-row or a
+    1-row one. Where the per-round times (``rounds``) show a bigger pass faster than a smaller
+    one in every round, the smaller is priced at the bigger's cost: the loop would verify
+    the extra rows rather than pay more for fewer, so the policy must see them as free. The
+    rest gets the isotonic fit (adjacent violators pooled): noise alone must not make q + 1
+    look cheaper than q, or the policy verifies rows it wrongly believes free."""
     qs = sorted(points)
     ys = [points[q] for q in qs]
     if len(qs) > 2:
@@ -167,6 +192,9 @@ def smooth_costs(points: dict[int, float], tolerance: float = 0.05) -> dict[int,
         line = [my + slope * (q - mq) for q in qs]
         if all(abs(f - y) <= tolerance * y for f, y in zip(line, ys)):
             return dict(zip(qs, line))
+    if rounds:
+        ys = [min([y] + [points[o] for o in qs[i + 1:] if cheaper_in_every_round(rounds, q, o)])
+              for i, (q, y) in enumerate(zip(qs, ys))]
     blocks: list[list[float]] = []      # [sum, count] of pooled runs
     for y in ys:
         blocks.append([y, 1])
@@ -215,6 +243,7 @@ class CostCurve:
     threads: int = field(default_factory=torch.get_num_threads)
     cpu: str = field(default_factory=cpu_model)
     measured_ms: dict[int, float] | None = None   # the raw per-q medians behind verify_ms
+    rounds_ms: dict[int, list[float]] | None = None   # every round's time per q
 
     def verify(self, q: int) -> float:
         """Cost of verifying q tokens; linear between measured points, extrapolated past the last."""
@@ -237,7 +266,7 @@ class CostCurve:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        for key in ("verify_ms", "measured_ms"):
+        for key in ("verify_ms", "measured_ms", "rounds_ms"):
             if d.get(key) is not None:
                 d[key] = {str(k): v for k, v in d[key].items()}
         return d
@@ -248,6 +277,8 @@ class CostCurve:
         for key in ("verify_ms", "measured_ms"):
             if d.get(key) is not None:
                 d[key] = {int(k): float(v) for k, v in d[key].items()}
+        if d.get("rounds_ms") is not None:
+            d["rounds_ms"] = {int(k): [float(x) for x in v] for k, v in d["rounds_ms"].items()}
         return cls(**d)
 
 
@@ -255,7 +286,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DFLASHKIT_CACHE", Path.home() / ".cache" / "dflashkit")) / "costs"
 
 
-CURVE_VERSION = 2   # 2: interleaved rounds, acceptance included, smoothed (older curves are remeasured)
+CURVE_VERSION = 3   # 2: interleaved rounds, acceptance included, smoothed; 3: rounds kept, real
+                    # dips priced (older curves are remeasured)
 
 
 def cpu_features() -> list[str]:
@@ -303,9 +335,11 @@ def cost_curve(target, proposer=None, max_q: int = 16, kv_length: int = 256,
         print(f"measuring verify costs of {target.name} (q = 1..{max_q}, once per machine)...",
               flush=True)
     capture = proposer.feature_layers if proposer is not None else None
-    measured = measure_step_verify_ms(target, list(range(1, max_q + 1)), kv_length, capture, rounds)
+    per_round = measure_step_verify_rounds(target, list(range(1, max_q + 1)), kv_length, capture, rounds)
+    measured = {q: statistics.median(v) for q, v in per_round.items()}
     curve = CostCurve(target=target.name, backend="fast" if target.fast_path else "default",
-                      kv_length=kv_length, verify_ms=smooth_costs(measured), measured_ms=measured)
+                      kv_length=kv_length, verify_ms=smooth_costs(measured, rounds=per_round),
+                      measured_ms=measured, rounds_ms=per_round)
     if proposer is not None:
         curve.draft_ms = measure_draft_ms(target, proposer, kv_length, repeats=rounds)
     if use_cache:

@@ -130,9 +130,10 @@ def test_a_noisy_machine_does_not_lure_the_choice_to_more_drafts():
     efficiency = sum(e for e, _ in runs) / len(runs)
     mean_n = sum(n for _, n in runs) / len(runs)
     assert efficiency > 0.99 and abs(mean_n - 4) < 0.4, runs
-    per_q = [_noisy_run(seed, PerQCost) for seed in range(4)]      # the winner's curse
-    assert sum(n for _, n in per_q) / len(per_q) > 4.4, per_q
-    assert sum(e for e, _ in per_q) / len(per_q) < efficiency
+    # the winner's curse: whichever size had a lucky fast pass looks cheapest (the choice
+    # wanders, to 2.7 drafts on one seed and 4.4 on another), costing >1% of the rate
+    per_q = [_noisy_run(seed, PerQCost) for seed in range(4)]
+    assert sum(e for e, _ in per_q) / len(per_q) < efficiency - 0.01, per_q
 
 
 def test_a_uniform_slowdown_does_not_change_the_choice():
@@ -316,6 +317,48 @@ def test_smoothed_costs_never_make_a_row_look_free_or_cheaper():
         fitted = smooth_costs(points)
         assert all(fitted[q + 1] >= fitted[q] - 1e-9 for q in range(1, max(points)))
         assert sum(fitted.values()) == pytest.approx(sum(points.values()), rel=0.02)
+
+
+def _rounds(medians, jitter, seed=0):
+    """Seven rounds per q around ``medians``: each round's machine speed (shared by every q
+    in it, as in measure_step_verify_rounds) times a per-pass jitter."""
+    import random
+    rng = random.Random(seed)
+    speeds = [rng.uniform(0.97, 1.03) for _ in range(7)]
+    return {q: [m * s * rng.uniform(1 - jitter, 1 + jitter) for s in speeds] for q, m in medians.items()}
+
+
+def test_a_real_kernel_dip_is_priced_and_noise_is_not():
+    # measured on an AMD EPYC (fp32, 6-row AVX-512 blocking): 1-5 rows cost more than 6
+    epyc = {1: 99.7, 2: 113.8, 3: 89.3, 4: 89.6, 5: 87.0, 6: 85.5, 7: 98.4, 8: 106.5}
+    fitted = smooth_costs(epyc, rounds=_rounds(epyc, jitter=0.002))
+    assert all(fitted[q] <= 85.5 + 1e-9 for q in range(1, 6)), fitted
+    assert fitted[6] == pytest.approx(85.5) and fitted[7] == pytest.approx(98.4)
+    assert all(fitted[q + 1] >= fitted[q] - 1e-9 for q in range(1, 8))
+    rates = [0.5, 0.3, 0.15, 0.08, 0.05, 0.02, 0.01]      # the shipped drafter's, roughly
+    assert best_num_drafts(rates, curve(fitted, draft=7.8), 7) == 5
+    pooled = smooth_costs(epyc)          # without rounds: the isotonic fit flattens 1..6
+    assert pooled[6] > 90 and pooled[7] - pooled[6] < 5
+    # a dip that one round contradicts is not priced: that point is pooled with its neighbours
+    contradicted = _rounds(epyc, jitter=0.002)
+    contradicted[3][0] = 80.0            # one round where the 3-row pass was the fast one
+    pooled = smooth_costs(epyc, rounds=contradicted)
+    assert pooled[3] == pytest.approx(pooled[6]) and pooled[6] > 86.0
+    assert pooled[1] == pytest.approx(85.5)
+    # a curve a line fits within 5% is the line, whatever the rounds say
+    wiggly = {1: 71.8, 2: 76.9, 3: 75.9, 4: 76.7, 5: 72.3, 6: 73.9, 7: 73.7, 8: 74.1}
+    assert smooth_costs(wiggly, rounds=_rounds(wiggly, jitter=0.002)) == smooth_costs(wiggly)
+
+
+def test_cost_exploration_verifies_one_draft_fewer_never_more():
+    c = curve({q: 10.0 for q in range(1, 9)}, draft=1.0)
+    p = AdaptiveBlockSize(c, max_drafts=7, prior_weight=1e9, explore_costs_every=4)
+    p.prior = [0.9 ** (k + 1) for k in range(7)]
+    choices = [p.num_drafts(remaining=1000) for _ in range(16)]
+    assert choices == [7, 7, 7, 6] * 4
+    never = AdaptiveBlockSize(c, max_drafts=7, prior_weight=1e9, explore_costs_every=2)
+    never.prior = [0.0] * 7             # the best is no draft: exploring tries one
+    assert [never.num_drafts(remaining=1000) for _ in range(4)] == [0, 1, 0, 1]
 
 
 def test_step_verify_costs_are_measured_for_every_q(family):
