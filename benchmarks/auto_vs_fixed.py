@@ -1,7 +1,7 @@
 """The adaptive block size against fixed sizes, in one process, interleaved prompt by prompt
 (bf16 fast path, the shipped drafter, 8 HumanEval prompts of the bench's seed-1 subset, 256
-new tokens, greedy). Variants: fixed blocks 4 and 5; auto as shipped (learned costs, a
-neighbour tried every 8th step); auto without that exploration; auto on the start-up cost
+new tokens, greedy). Variants: fixed blocks 4 and 5; auto as shipped (learned costs,
+one draft fewer tried every 8th step); auto without that exploration; auto on the start-up cost
 curve alone. Each policy object is reused across prompts, as in the bench and the server.
 
     .venv/bin/python benchmarks/auto_vs_fixed.py
