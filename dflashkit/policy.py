@@ -185,7 +185,7 @@ class AdaptiveBlockSize:
             # One draft fewer (more only from 0): either neighbour shows the learned per-row
             # cost, which is never negative, so going up teaches nothing going down does not,
             # and going up can cross a kernel step (7 rows cost 15% more than 6 on one CPU).
-            n = n - 1 if n > 0 else min(1, self.max_drafts)
+            n = n - 1 if n > 0 else 1
         return max(min(n, remaining - 1), 0)
 
     def observe_costs(self, verify_tokens: int, verify_s: float, draft_s: float | None = None) -> None:
