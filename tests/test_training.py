@@ -121,6 +121,52 @@ def test_data_stage_resumes_without_duplicates(tiny_run, tmp_path, monkeypatch):
     assert sorted(ids) == sorted(f"p{i}" for i in range(10))
 
 
+def test_imported_samples_keep_their_responses_and_cost_one_forward(tiny_run, tmp_path, monkeypatch):
+    """A data stage that imports an earlier one's samples (gzipped here) generates only the
+    prompts that are new; imported samples keep their tokens exactly, and their features and
+    teacher distributions equal what the generation pass kept (one forward over the sample)."""
+    import gzip
+    import dflashkit.regenerate as regen
+    from dflashkit.regenerate import DataMismatch
+    from dflashkit.teacher import TeacherStore
+    root, target = tiny_run
+    old_dir = root / "run" / "data"
+    archive = tmp_path / "old.jsonl.gz"
+    with gzip.open(archive, "wt") as f:
+        f.write((old_dir / "samples.jsonl").read_text())
+    generated = []
+    real = regen._generate_batch
+    monkeypatch.setattr(regen, "_generate_batch",
+                        lambda t, prompts, *a: generated.extend(prompts) or real(t, prompts, *a))
+    cfg = DataConfig(out_dir=str(tmp_path / "data"), max_new_tokens=20, batch_size=4,
+                     feature_layers=LAYERS, import_samples=str(archive))
+    regenerate(target, _prompts(24), cfg, progress=False)
+    new = {r["id"]: r for r in read_samples(tmp_path / "data")}
+    assert sorted(map(tuple, generated)) == sorted(tuple(p["input_ids"]) for p in _prompts(24)[20:])
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert meta["num_samples"] == 24 and meta["num_imported"] == 20
+    old_store, new_store = FeatureStore(old_dir), FeatureStore(tmp_path / "data")
+    old_teacher, new_teacher = TeacherStore(old_dir), TeacherStore(tmp_path / "data")
+    for rec in read_samples(old_dir):
+        got = new[rec["id"]]
+        assert got["imported"] and got["input_ids"] == rec["input_ids"]
+        assert got["prompt_len"] == rec["prompt_len"] and got["finished"] == rec["finished"]
+        torch.testing.assert_close(new_store.get(got).float(), old_store.get(rec).float(),
+                                   atol=0.05, rtol=0.02)
+        (ids_a, lp_a), (ids_b, lp_b) = old_teacher.get(rec["id"]), new_teacher.get(rec["id"])
+        assert torch.equal(ids_a[:, 0], ids_b[:, 0])     # the response tokens themselves
+        torch.testing.assert_close(lp_a.float(), lp_b.float(), atol=2e-3, rtol=2e-3)
+    # A sample whose prompt encodes differently now is refused, not silently mixed in.
+    changed = [{**p, "input_ids": p["input_ids"] + [5]} if p["id"] == "p3" else p for p in _prompts(24)]
+    cfg2 = DataConfig(out_dir=str(tmp_path / "data2"), max_new_tokens=20, batch_size=4,
+                      feature_layers=LAYERS, import_samples=str(archive))
+    with pytest.raises(DataMismatch, match="'p3' was made from another prompt encoding"):
+        regenerate(target, changed, cfg2, progress=False)
+    with pytest.raises(FileNotFoundError, match="import_samples"):
+        regenerate(target, _prompts(2), DataConfig(out_dir=str(tmp_path / "data3"),
+                   feature_layers=LAYERS, import_samples=str(tmp_path / "missing.jsonl")), progress=False)
+
+
 def _config(root: Path, name: str, **train) -> Path:
     cfg = {"target": str(root / "target"), "run_dir": str(root / name),
            "data": {"feature_layers": LAYERS},
@@ -410,3 +456,17 @@ def test_data_made_with_another_config_is_refused_not_mixed_or_skipped(tiny_run,
     (tmp_path / "data" / "meta.json").unlink()                # interrupted before either was written
     with pytest.raises(DataMismatch, match="holds samples but no record of the configuration"):
         check_data_config(tmp_path / "data", target.name, same)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")))
+def test_every_committed_config_loads(path):
+    """A committed config that no longer parses (a renamed key) fails here, not hours later."""
+    from dflashkit.pipeline import load_config
+    from dflashkit.regenerate import DataConfig
+    cfg = load_config(ROOT / path)
+    assert isinstance(cfg.data, DataConfig) and cfg.target and cfg.run_dir
+    if cfg.data.import_samples:
+        assert (ROOT / cfg.data.import_samples).exists()
