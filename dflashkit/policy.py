@@ -21,6 +21,8 @@ busier machine or per-row work the benchmark did not see moves the choice.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from .costs import CostCurve
@@ -31,25 +33,34 @@ class OnlineCost:
     """The measured curve corrected by two numbers fitted to every observed pass: a
     machine-wide scale and an extra cost per verified row.
 
-    The scale is a decayed mean of observed/curve ratios (1, the curve, as its prior); the
-    extra per-row cost is a decayed ridge regression of those ratios on the rows verified, and
-    it is never negative. Pooling all passes into two numbers is what keeps the choice steady on
-    a noisy machine: a separate correction per q lets whichever q happened to get a fast pass
-    look cheapest, and the loop drifts to verifying more rows than pay (simulated in
-    tests/test_policy.py). A negative extra cost is noise by construction, since the curve was
-    timed on an idle machine at the shortest context the loop sees: load scales every pass,
-    and a longer context only adds per-row attention work.
+    The scale is a decayed mean of observed/curve ratios (1, the curve, as its prior). The
+    extra per-row cost comes from PAIRS of consecutive passes over different row counts (the
+    loop's one-draft-fewer explorations and its changes of mind): a pass and the one just
+    before it ran ~0.1 s apart, so the machine's load, which drifts over seconds on a shared
+    CPU, cancels in their difference, and only the rows they differ by remain. It is a
+    median of the last pairs' slopes (a pass slowed by another process moves a median of many
+    pairs by one place, not by its size), less its standard error, and never negative: the
+    curve stands until the passes show it wrong beyond their noise. A regression on the
+    passes themselves (the design before) took that drift for a per-row cost; clipped at zero,
+    the noise then biased the choice to fewer drafts (4.15 per step on average in one run on
+    the AMD EPYC, where 4 to 6 rows cost the same and the ideal is 4.9; simulated in
+    tests/test_policy.py). Pooling all passes into two numbers, rather than a correction per
+    q, keeps the choice steady on a noisy machine:
+    a separate correction per q lets whichever q happened to get a fast pass look cheapest.
+    A negative extra cost is noise by construction, since the curve was timed on an idle
+    machine at the shortest context the loop sees: load scales every pass, and a longer
+    context only adds per-row attention work.
     """
 
     curve: CostCurve
     prior_weight: float = 4.0     # pseudo-observations behind the scale's prior
     decay: float = 0.95           # weight left to an observation after each newer one
-    slope_prior: float = 5.0      # pseudo-observations one row apart behind "no extra cost"
-    slope_decay: float = 0.995    # the slope needs a longer memory: most passes share one q
+    slope_window: int = 201       # pairs in the median (~800 passes at one exploration in 8)
     _scale: list[float] = field(default_factory=list)    # [sum, weight, prior weight]
     _where: list[float] = field(default_factory=list)    # the x the scale was fitted at
     _draft: list[float] = field(default_factory=list)
-    _fit: list[float] = field(default_factory=lambda: [0.0] * 5)   # decayed w, Sx, Sy, Sxx, Sxy
+    _slopes: deque = field(default_factory=deque)         # the last pairs' dy/dx, ms per row
+    _last: tuple[float, float] | None = None             # (x, y) of the previous pass
 
     def __post_init__(self):
         self._scale = self._scale or self._fresh()
@@ -76,7 +87,11 @@ class OnlineCost:
         if tokens < 1 or not ms > 0:
             return
         x, y = self._rows(tokens), ms / self.curve.verify(tokens)
-        self._fit = [a * self.slope_decay + v for a, v in zip(self._fit, (1.0, x, y, x * x, x * y))]
+        if self._last is not None and abs(x - self._last[0]) > 1e-9 * abs(x):
+            self._slopes.append((y - self._last[1]) / (x - self._last[0]))
+            if len(self._slopes) > self.slope_window:
+                self._slopes.popleft()
+        self._last = (x, y)
         self._add(self._scale, y)
         self._add(self._where, x)
 
@@ -88,12 +103,14 @@ class OnlineCost:
         return self._mean(self._scale, 1.0)
 
     def extra_ms_per_row(self) -> float:
-        w, sx, sy, sxx, sxy = self._fit
-        if w <= 0:
+        """The median pair slope less its standard error (from the median absolute
+        deviation): the curve stands until the passes show it wrong beyond their noise."""
+        n = len(self._slopes)
+        if n < 3:
             return 0.0
-        one_row = self._rows(2)
-        slope = (sxy - sx * sy / w) / (sxx - sx * sx / w + self.slope_prior * one_row ** 2 / 2)
-        return max(slope, 0.0)
+        med = statistics.median(self._slopes)
+        mad = statistics.median(abs(v - med) for v in self._slopes)
+        return max(med - 1.86 * mad / n ** 0.5, 0.0)   # 1.86 = 1.2533 * 1.4826
 
     def verify(self, q: int) -> float:
         x_sum, weight = self._where[0], self._where[1]    # the scale holds where the recent
