@@ -42,7 +42,7 @@ class OnlineCost:
     pairs by one place, not by its size), less its standard error, and never negative: the
     curve stands until the passes show it wrong beyond their noise. A regression on the
     passes themselves (the design before) took that drift for a per-row cost; clipped at zero,
-    the noise then biased the choice to fewer drafts (4.15 per step on average in one run on
+    the noise then biased the choice to fewer drafts (4.33 per step on average in one run on
     the AMD EPYC, where 4 to 6 rows cost the same and the ideal is 4.9; simulated in
     tests/test_policy.py). Pooling all passes into two numbers, rather than a correction per
     q, keeps the choice steady on a noisy machine:
