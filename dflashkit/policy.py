@@ -61,6 +61,7 @@ class OnlineCost:
     _draft: list[float] = field(default_factory=list)
     _slopes: deque = field(default_factory=deque)         # the last pairs' dy/dx, ms per row
     _last: tuple[float, float] | None = None             # (x, y) of the previous pass
+    _slope: float | None = None                          # extra_ms_per_row, cached
 
     def __post_init__(self):
         self._scale = self._scale or self._fresh()
@@ -91,6 +92,7 @@ class OnlineCost:
             self._slopes.append((y - self._last[1]) / (x - self._last[0]))
             if len(self._slopes) > self.slope_window:
                 self._slopes.popleft()
+            self._slope = None          # recomputed when next asked (a pair every ~4 passes)
         self._last = (x, y)
         self._add(self._scale, y)
         self._add(self._where, x)
@@ -105,12 +107,14 @@ class OnlineCost:
     def extra_ms_per_row(self) -> float:
         """The median pair slope less its standard error (from the median absolute
         deviation): the curve stands until the passes show it wrong beyond their noise."""
-        n = len(self._slopes)
-        if n < 3:
-            return 0.0
-        med = statistics.median(self._slopes)
-        mad = statistics.median(abs(v - med) for v in self._slopes)
-        return max(med - 1.86 * mad / n ** 0.5, 0.0)   # 1.86 = 1.2533 * 1.4826
+        if self._slope is None:
+            n, slope = len(self._slopes), 0.0
+            if n >= 3:
+                med = statistics.median(self._slopes)
+                mad = statistics.median([abs(v - med) for v in self._slopes])
+                slope = max(med - 1.86 * mad / n ** 0.5, 0.0)   # 1.86 = 1.2533 * 1.4826
+            self._slope = slope
+        return self._slope
 
     def verify(self, q: int) -> float:
         x_sum, weight = self._where[0], self._where[1]    # the scale holds where the recent
