@@ -175,7 +175,7 @@ class BatchDecoder:
                 draft_sampling = r.request.sampling if self.acceptance == "rejection" else SamplingConfig()
                 if isinstance(drafter, DFlashProposer):
                     drafter.cache = r.context    # each row has its own drafter context
-                width_n = policy.max_drafts if policy is not None else n
+                width_n = policy.proposal_width(n) if policy is not None else n
                 prop, dprobs = drafter.propose(torch.tensor(r.committed, device=device), r.pending,
                                                width_n, draft_sampling, r.generator)
                 proposals = [int(x) for x in prop.tolist()]

@@ -305,7 +305,7 @@ def speculative_generate(
             # "match" drafts greedily (the most likely proposal is the one most often equal to
             # the target's sample); "rejection" needs sampled drafts and their distributions.
             draft_sampling = sampling if acceptance == "rejection" else SamplingConfig()
-            width = policy.max_drafts if policy is not None else n_draft
+            width = policy.proposal_width(n_draft) if policy is not None else n_draft
             prop, draft_probs = drafter.propose(torch.tensor(committed, device=device), pending,
                                                 width, draft_sampling, generator)
             proposals = [int(x) for x in prop.tolist()]

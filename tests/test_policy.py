@@ -302,6 +302,35 @@ def test_policy_learns_from_an_oracle_and_stays_lossless(family):
     assert res.stats.verify_sizes[0] == 1 and res.stats.verify_sizes[-2] == 8
 
 
+def test_the_drafter_scores_every_slot_only_every_fourth_step(family):
+    """Slots beyond the verified ones are scored for the statistics on every 4th drafting
+    step (and on steps that verify none); otherwise the drafter's head runs only the verified
+    rows. Output stays the target's own."""
+    target, _ = cached_target(family)
+    prompt = [7, 11, 13, 17, 19]
+    ref = _long_reference(target, prompt, 60)
+    widths = []
+
+    class Recording(OracleProposer):
+        def propose(self, committed, new_features, num_slots, sampling, generator):
+            widths.append(num_slots)
+            return super().propose(committed, new_features, num_slots, sampling, generator)
+
+    policy = AdaptiveBlockSize(curve({q: 10.0 + 3.0 * q for q in range(1, 9)}, draft=1), max_drafts=7,
+                               prior=[0.6 ** (k + 1) for k in range(7)], learn_costs=False)
+    res = speculative_generate(target, Recording(ref, len(prompt)), prompt, max_new_tokens=60,
+                               block_size=policy, stop_token_ids=[])
+    assert res.tokens == ref
+    verified = [v - 1 for v in res.stats.verify_sizes]
+    drafted = [n for n in verified if n > 0]
+    assert len(widths) == len(drafted)
+    for i, (w, n) in enumerate(zip(widths, drafted)):
+        assert w == (7 if (i + 1) % 4 == 0 else n), (i, widths, drafted)
+    assert any(n < 7 for n in drafted)
+    with pytest.raises(ValueError, match="propose_all_every must be >= 1"):
+        AdaptiveBlockSize(curve({1: 1.0}), max_drafts=3, propose_all_every=0)
+
+
 @pytest.mark.parametrize("family_name", ["qwen2", "llama"])
 @pytest.mark.parametrize("points", [{q: 5.0 for q in range(1, 17)}, {q: 5.0 * q for q in range(1, 17)},
                                     {1: 5.0, 4: 6.0, 8: 20.0, 16: 21.0}])
