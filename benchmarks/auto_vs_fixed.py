@@ -1,40 +1,93 @@
-"""The adaptive block size against fixed sizes, in one process, interleaved prompt by prompt
-(bf16 fast path, the shipped drafter, 8 HumanEval prompts of the bench's seed-1 subset, 256
-new tokens, greedy). Variants: fixed blocks 4 and 5; auto as shipped (learned costs,
-one draft fewer tried every 8th step); auto without that exploration; auto on the start-up cost
-curve alone. Each policy object is reused across prompts, as in the bench and the server.
+"""The adaptive block size against fixed sizes, in one process, greedy, the shipped drafter,
+HumanEval prompts of the bench's subset for a seed. No HF generate: this isolates the policy.
+Methods run prompt by prompt in a rotating order (each method takes each position equally
+often), and one policy object serves every prompt, as in the bench and the server.
 
-    .venv/bin/python benchmarks/auto_vs_fixed.py
+    .venv/bin/python benchmarks/auto_vs_fixed.py --sizes 5,6 --num-prompts 40 --seed 3
 
-Prints tokens/s per prompt, the mean, the median ratio to fixed block 4, and the acceptance
-each policy learned. No HF generate here: this isolates the policy from the bench's method
-order.
+Prints per prompt the decode tokens/s of each method, then per fixed size the paired speed
+ratio auto/fixed (median over prompts with a bootstrap 95% interval of the median, and pooled
+as total tokens over total decode time), ms per step, tokens per step, drafts verified per
+step, and whether every output equals the fixed sizes' (they must: all are lossless).
 """
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
 import statistics as st
 
-from dflashkit.target import load_target
 from dflashkit.checkpoint import load_drafter
-from dflashkit.decoding import speculative_generate, DFlashProposer
-from dflashkit.suites import load_suite
 from dflashkit.costs import cost_curve
+from dflashkit.decoding import DFlashProposer, speculative_generate
 from dflashkit.policy import AdaptiveBlockSize
-t = load_target("qwen2.5-coder-0.5b-instruct", dtype="bfloat16")
-p = DFlashProposer(load_drafter("checkpoints/qwen2.5-coder-0.5b-instruct"), t)
-curve = cost_curve(t, p, max_q=8)
-methods = {"fixed4": 4, "auto_e8": AdaptiveBlockSize(curve, 7), "fixed5": 5,
-           "auto_e0": AdaptiveBlockSize(curve, 7, explore_costs_every=0),
-           "auto_nolearn": AdaptiveBlockSize(curve, 7, learn_costs=False)}
-prompts = load_suite("humaneval", 8, seed=1)
-rate = {m: [] for m in methods}
-for q in prompts:
-    ids = t.encode_prompt([{"role": "user", "content": q.turns[0]}])
-    for m, bs in methods.items():
-        r = speculative_generate(t, p, ids, max_new_tokens=256, block_size=bs)
-        rate[m].append((len(r.tokens) - 1) / r.stats.decode_s)
-    print(q.id, {m: round(v[-1], 2) for m, v in rate.items()}, flush=True)
-for m, v in rate.items():
-    rel = [a / b for a, b in zip(v, rate["fixed4"])]
-    print(m, "mean tok/s", round(st.mean(v), 2), "median vs fixed4", round(st.median(rel), 3))
-for m in ("auto_e8", "auto_e0", "auto_nolearn"):
-    pol = methods[m]
-    print(m, "prefix rates", [round(x, 3) for x in pol.prefix_rates()][:5])
+from dflashkit.suites import load_suite
+from dflashkit.target import load_target
+
+
+def median_interval(values: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    rng = random.Random(seed)
+    meds = sorted(st.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--drafter", default="checkpoints/qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--sizes", default="5,6", help="fixed block sizes beside auto")
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--out", help="write every run as JSON lines here")
+    args = ap.parse_args()
+    target = load_target(args.target, dtype=args.dtype, progress=False)
+    proposer = DFlashProposer(load_drafter(args.drafter), target)
+    block = proposer.drafter.block_size
+    policy = AdaptiveBlockSize(cost_curve(target, proposer, max_q=block), max_drafts=block - 1)
+    methods = {"auto": policy} | {f"fixed{b}": int(b) for b in args.sizes.split(",")}
+    names = list(methods)
+    runs: dict[str, list[dict]] = {m: [] for m in names}
+    out = open(args.out, "w") if args.out else None
+    for i, prompt in enumerate(load_suite("humaneval", args.num_prompts, seed=args.seed)):
+        ids = target.encode_prompt([{"role": "user", "content": prompt.turns[0]}])
+        order = names[i % len(names):] + names[:i % len(names)]
+        row = {}
+        for m in order:
+            r = speculative_generate(target, proposer, ids, max_new_tokens=args.max_new_tokens,
+                                     block_size=methods[m])
+            s = r.stats
+            rec = {"prompt": prompt.id, "method": m, "position": order.index(m), "tokens": r.tokens,
+                   "decode_s": s.decode_s, "steps": len(s.acceptance_lengths),
+                   "drafts": sum(v - 1 for v in s.verify_sizes)}
+            runs[m].append(rec)
+            row[m] = (len(r.tokens) - 1) / s.decode_s
+            if out:
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+        print(prompt.id, " ".join(f"{m} {row[m]:.2f}" for m in names), flush=True)
+    print(f"\n{len(runs['auto'])} prompts, seed {args.seed}, {args.max_new_tokens} new tokens, {args.dtype}\n")
+    print("| method | tok/s (pooled) | ms/step | tokens/step | drafts/step | auto vs it: median (95% interval), pooled | auto faster on |")
+    print("|---|---|---|---|---|---|---|")
+    for m in names:
+        rs = runs[m]
+        dec, tok, steps = sum(r["decode_s"] for r in rs), sum(len(r["tokens"]) - 1 for r in rs), sum(r["steps"] for r in rs)
+        cell = "-"
+        faster = "-"
+        if m != "auto":
+            ratios = [((len(a["tokens"]) - 1) / a["decode_s"]) / ((len(b["tokens"]) - 1) / b["decode_s"])
+                      for a, b in zip(runs["auto"], rs)]
+            lo, hi = median_interval(ratios)
+            pooled = (sum(len(a["tokens"]) - 1 for a in runs["auto"]) / sum(a["decode_s"] for a in runs["auto"])) / (tok / dec)
+            cell = f"{st.median(ratios):.3f}x ({lo:.3f}-{hi:.3f}), {pooled:.3f}x"
+            faster = f"{sum(x > 1 for x in ratios)} of {len(ratios)}"
+        print(f"| {m} | {tok / dec:.2f} | {1000 * dec / steps:.1f} | {tok / steps:.3f} | "
+              f"{sum(r['drafts'] for r in rs) / steps:.2f} | {cell} | {faster} |")
+    same = all(a["tokens"] == b["tokens"] for m in names[1:] for a, b in zip(runs["auto"], runs[m]))
+    print(f"\nevery output identical across methods: {same}")
+
+
+if __name__ == "__main__":
+    main()
