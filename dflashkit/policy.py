@@ -8,9 +8,9 @@ always) and costs ``verify(n + 1) + draft`` (no draft when n = 0). The policy pi
 ``argmax_n E(n) / cost(n)``. Which tokens are verified never changes what is committed, so
 every choice is lossless; only the speed depends on it.
 
-Acceptance is observed retroactively: the drafter always proposes its whole block, and once
-the committed text reaches past a proposal we know how far it would have matched, whether or
-not those slots were verified. So the estimates for long prefixes keep improving even while
+Acceptance is observed retroactively: the drafter proposes its whole block on every 4th
+step (else only the slots to verify), and once the committed text reaches past a proposal we
+know how far it would have matched, whether or not those slots were verified. So the estimates for long prefixes keep improving even while
 the policy verifies few tokens, and a policy that verifies nothing still drafts now and
 then to keep learning.
 
