@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics as st
 
 from dflashkit.checkpoint import load_drafter
 from dflashkit.costs import cost_curve
 from dflashkit.decoding import DFlashProposer, speculative_generate
 from dflashkit.policy import AdaptiveBlockSize
+from dflashkit.report import Record, paired_comparison
 from dflashkit.suites import load_suite
 from dflashkit.target import load_target
-
-
-def median_interval(values: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
-    rng = random.Random(seed)
-    meds = sorted(st.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
 
 
 def main() -> None:
@@ -71,18 +64,17 @@ def main() -> None:
     print(f"\n{len(runs['auto'])} prompts, seed {args.seed}, {args.max_new_tokens} new tokens, {args.dtype}\n")
     print("| method | tok/s (pooled) | ms/step | tokens/step | drafts/step | auto vs it: median (95% interval), pooled | auto faster on |")
     print("|---|---|---|---|---|---|---|")
+    records = [Record("humaneval", r["prompt"], 0, m, len(r["tokens"]), 0.0, r["decode_s"], r["tokens"])
+               for m in names for r in runs[m]]
     for m in names:
         rs = runs[m]
         dec, tok, steps = sum(r["decode_s"] for r in rs), sum(len(r["tokens"]) - 1 for r in rs), sum(r["steps"] for r in rs)
-        cell = "-"
-        faster = "-"
+        cell = faster = "-"
         if m != "auto":
-            ratios = [((len(a["tokens"]) - 1) / a["decode_s"]) / ((len(b["tokens"]) - 1) / b["decode_s"])
-                      for a, b in zip(runs["auto"], rs)]
-            lo, hi = median_interval(ratios)
-            pooled = (sum(len(a["tokens"]) - 1 for a in runs["auto"]) / sum(a["decode_s"] for a in runs["auto"])) / (tok / dec)
-            cell = f"{st.median(ratios):.3f}x ({lo:.3f}-{hi:.3f}), {pooled:.3f}x"
-            faster = f"{sum(x > 1 for x in ratios)} of {len(ratios)}"
+            c = paired_comparison(records, "auto", m)["humaneval"]
+            lo, hi = c["ci95"]
+            cell = f"{c['median']:.3f}x ({lo:.3f}-{hi:.3f}), {c['pooled']:.3f}x"
+            faster = f"{c['wins']} of {c['pairs']}"
         print(f"| {m} | {tok / dec:.2f} | {1000 * dec / steps:.1f} | {tok / steps:.3f} | "
               f"{sum(r['drafts'] for r in rs) / steps:.2f} | {cell} | {faster} |")
     same = all(a["tokens"] == b["tokens"] for m in names[1:] for a, b in zip(runs["auto"], runs[m]))
