@@ -77,6 +77,16 @@ def test_learned_costs_move_the_choice_off_a_curve_that_underestimates_big_passe
     assert min(rate(n) for n in settled) / rate(best) > 0.99, settled   # (non-exploring choices)
 
 
+def _known_rates_policy(points, rates, draft, learned_cost=None):
+    """A policy that knows the acceptance exactly (only costs are learned), on ``points``."""
+    c = curve(points, draft=draft)
+    p = AdaptiveBlockSize(c, max_drafts=7, prior_weight=1e9)
+    p.prior = rates
+    if learned_cost is not None:
+        p.costs = learned_cost(c)
+    return p
+
+
 def _noisy_run(seed, learned_cost=None):
     """3,000 steps on a machine 1.5x slower than at start-up whose passes vary by 30% and one
     in ten is 2.5x slower (another process): verify costs and acceptance of the shipped
@@ -84,11 +94,7 @@ def _noisy_run(seed, learned_cost=None):
     import random
     points = {q: 77.4 + 2.1 * (q - 1) for q in range(1, 9)}
     rates = [0.55, 0.3, 0.15, 0.07, 0.03, 0.015, 0.007]
-    c = curve(points, draft=7.0)
-    p = AdaptiveBlockSize(c, max_drafts=7, prior_weight=1e9)
-    p.prior = rates
-    if learned_cost is not None:
-        p.costs = learned_cost(c)
+    p = _known_rates_policy(points, rates, 7.0, learned_cost)
 
     def rate(n):
         return expected_tokens(rates, n) / (points[n + 1] + (7.0 if n else 0.0))
@@ -164,11 +170,7 @@ def _drifting_run(seed, learned_cost=None):
     import random
     points = {q: 94.0 for q in range(1, 7)} | {7: 106.0, 8: 108.0}
     rates = [0.42, 0.20, 0.10, 0.04, 0.02, 0.01, 0.005]
-    c = curve(points, draft=5.0)
-    p = AdaptiveBlockSize(c, max_drafts=7, prior_weight=1e9)
-    p.prior = rates
-    if learned_cost is not None:
-        p.costs = learned_cost(c)
+    p = _known_rates_policy(points, rates, 5.0, learned_cost)
 
     def rate(n):
         return expected_tokens(rates, n) / (points[n + 1] + 5.0)
