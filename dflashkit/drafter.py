@@ -341,6 +341,54 @@ def config_for_target(target, num_layers: int = 1, block_size: int = 16,
     )
 
 
+def warm_start_from_target(drafter: DFlashDrafter, read) -> list[int]:
+    """Start the drafter from the target's own layers instead of noise.
+
+    Feature layer ``L = max(target_layer_ids)`` is the input of target layer ``L + 1``. So the
+    context projection starts as that layer's normalised input (``fc`` picks feature L,
+    ``hidden_norm`` takes layer L+1's input norm; the final norm when L is the last layer) and
+    drafter layer i starts as target layer ``L + 1 + i`` (the last layer when there are
+    fewer): on the context its keys and values are then the target's own, up to the biases
+    and per-head norms below. The final norm is the target's. Dropped, because the drafter format has no
+    place for them: attention biases (Qwen2); ``q_norm``/``k_norm`` start at one.
+    ``read(names) -> {name: tensor}`` reads Hugging Face tensors (target.read_target_tensors).
+    Returns the target layer each drafter layer came from.
+    """
+    cfg = drafter.config
+    top = max(cfg.target_layer_ids)
+    sources = [min(top + 1 + i, cfg.num_target_layers - 1) for i in range(cfg.num_hidden_layers)]
+    parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+             "post_attention_layernorm")   # same names in the drafter and in HF Llama/Qwen
+    context_norm = (f"model.layers.{top + 1}.input_layernorm.weight"
+                    if top + 1 < cfg.num_target_layers else "model.norm.weight")
+    names = {f"model.layers.{s}.{p}.weight" for s in sources for p in parts}
+    names |= {context_norm, "model.norm.weight"}
+    tensors = read(sorted(names))
+    own = dict(drafter.named_parameters())
+
+    def put(dst: str, src: str) -> None:
+        if own[dst].shape != tensors[src].shape:
+            raise ValueError(f"drafter.init: target: {dst} has shape {tuple(own[dst].shape)} but the "
+                             f"target's {src} has {tuple(tensors[src].shape)}; leave "
+                             f"drafter.intermediate_size unset or use drafter.init: random")
+        own[dst].data.copy_(tensors[src])
+
+    with torch.no_grad():
+        for i, s in enumerate(sources):
+            for part in parts:
+                put(f"layers.{i}.{part}.weight", f"model.layers.{s}.{part}.weight")
+            for norm in ("q_norm", "k_norm"):
+                getattr(drafter.layers[i].self_attn, norm).weight.fill_(1.0)
+        h, k = cfg.hidden_size, cfg.target_layer_ids.index(top)
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, k * h:(k + 1) * h] = torch.eye(h)
+        put("hidden_norm.weight", context_norm)
+        put("norm.weight", "model.norm.weight")
+    cfg.extra.setdefault("dflashkit", {})["init_from_target_layers"] = sources
+    return sources
+
+
 def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
     """A freshly (seeded, reproducibly) initialised drafter, marked untrained in its config."""
     cfg = replace(cfg, extra={**cfg.extra, "dflashkit": {"trained": False, "init_seed": seed}})

@@ -57,20 +57,25 @@ class DataConfig:
     # "bfloat16" regenerates on the bf16 fast path (CPUs with AMX): ~118 vs ~93 tokens/s here;
     # the text can differ from fp32 greedy decoding only where two logits tie.
     dtype: str = "float32"
-    # A JSONL(.gz) of samples an earlier data stage made (its samples.jsonl, or the archive in
-    # data/): a prompt found there keeps its response, and its features cost one forward pass
-    # over the whole sequence instead of a token-by-token generation (~15x less target time).
+    # Samples an earlier data stage made: its data folder, its samples.jsonl, or a JSONL(.gz)
+    # archive (data/). A prompt found there keeps its response; its features are copied from
+    # the folder's feature store when that holds the same layers made in the same dtype, and
+    # otherwise cost one forward pass over the whole sequence (~15x less target time than a
+    # token-by-token generation).
     import_samples: str | None = None
+    # generate nothing: the mix's prompts that import_samples lacks are left out (a quick data
+    # set from earlier samples, for experiments)
+    import_only: bool = False
 
 
 # what changes the samples (out_dir does not; batch size changes only kernel rounding, where two
 # logits tie, as a thread count does)
 DATA_KEYS = ("num_code", "num_math", "num_chat", "num_docs", "seed", "max_prompt_tokens",
              "max_new_tokens", "feature_layers", "store_features", "teacher_top_k", "dtype",
-             "import_samples")
+             "import_samples", "import_only")
 
 
-DATA_DEFAULTS = {"import_samples": None}   # keys added later: folders made before lack them
+DATA_DEFAULTS = {"import_samples": None, "import_only": False}   # keys added later: folders made before lack them
 
 
 class DataMismatch(ValueError):
@@ -196,12 +201,18 @@ def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, s
 
 
 @torch.inference_mode()
-def _replay_batch(target: Target, samples: list[tuple[list[int], list[int]]], cfg: DataConfig):
-    """Features (and teacher top-k) of samples whose response already exists: one forward
-    pass over each whole sequence; rows as ``_generate_batch`` returns them."""
+def _replay_batch(target: Target, samples: list[tuple[list[int], list[int], dict]], cfg: DataConfig,
+                  stored: FeatureStore | None = None):
+    """Features (and teacher top-k) of samples whose response already exists: copied from
+    ``stored`` (the imported folder's features) when there are no teacher distributions to
+    make, else one forward pass over each whole sequence; rows as ``_generate_batch``."""
     layers = cfg.feature_layers if cfg.store_features else []
     rows = []
-    for prompt, response in samples:
+    for prompt, response, old in samples:
+        if stored is not None and old.get("shard") and not cfg.teacher_top_k:
+            f = stored.get(old)[:len(prompt) + len(response) - 1].clone()
+            rows.append((response, f, None))
+            continue
         ids = torch.tensor([prompt + response])
         out = target.forward(ids[:, :-1], 0, None, capture=layers, last_only=not cfg.teacher_top_k)
         f = out.features[0].to(torch.bfloat16).clone() if layers else None
@@ -213,12 +224,14 @@ def _replay_batch(target: Target, samples: list[tuple[list[int], list[int]]], cf
 
 
 def read_import(path: str | Path) -> dict[str, dict]:
-    """Samples by id from an earlier data stage's JSONL (plain or gzipped)."""
+    """Samples by id from an earlier data stage: its folder, its JSONL, or a gzipped copy."""
     import gzip
     path = Path(path)
+    if path.is_dir():
+        path = path / "samples.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"data.import_samples: {path} does not exist (a samples.jsonl of "
-                                f"an earlier data stage, or its .gz archive)")
+        raise FileNotFoundError(f"data.import_samples: {path} does not exist (the data folder of "
+                                f"an earlier data stage, its samples.jsonl, or a .gz archive)")
     opener = gzip.open if path.suffix == ".gz" else open
     out = {}
     with opener(path, "rt") as f:
@@ -227,11 +240,27 @@ def read_import(path: str | Path) -> dict[str, dict]:
                 continue
             try:
                 rec = json.loads(line)
-                out[rec["id"]] = {"input_ids": list(rec["input_ids"]), "prompt_len": int(rec["prompt_len"])}
+                out[rec["id"]] = {"input_ids": list(rec["input_ids"]), "prompt_len": int(rec["prompt_len"]),
+                                  "id": rec["id"], "shard": rec.get("shard")}
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}, line {n}: not a sample record with id, input_ids and "
                                  f"prompt_len ({e})") from None
     return out
+
+
+def reusable_features(path: str | Path, target_name: str, cfg: DataConfig) -> FeatureStore | None:
+    """The feature store of an imported data folder when its features are the ones this
+    stage would compute (same target, layers and dtype); None otherwise."""
+    path = Path(path)
+    if not cfg.store_features or not (path / "config.json").exists():
+        return None
+    theirs = json.loads((path / "config.json").read_text())
+    mine = data_fingerprint(target_name, cfg)
+    theirs_dtype = data_fingerprint(target_name, DataConfig(dtype=theirs.get("dtype", "float32")))["dtype"]
+    same = (theirs.get("target") == mine["target"] and theirs.get("store_features")
+            and list(theirs.get("feature_layers") or []) == list(cfg.feature_layers)
+            and theirs_dtype == mine["dtype"])
+    return FeatureStore(path) if same else None
 
 
 def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: bool = True) -> Path:
@@ -248,7 +277,10 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
     done_ids = {r["id"] for r in done}
     shard_index = 1 + max((int(r["shard"].split(".")[0]) for r in done if r.get("shard")), default=-1)
     stops = target.stop_token_ids()
+    if cfg.import_only and not cfg.import_samples:
+        raise ValueError("data.import_only needs data.import_samples (the samples to keep)")
     imported = read_import(cfg.import_samples) if cfg.import_samples else {}
+    stored = reusable_features(cfg.import_samples, target.name, cfg) if cfg.import_samples else None
     todo, replay = [], []
     for p in prompts:
         if p["id"] in done_ids:
@@ -258,13 +290,14 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
             continue
         old = imported.get(p["id"])
         if old is None:
-            todo.append((p, ids))
+            if not cfg.import_only:
+                todo.append((p, ids))
             continue
         if old["input_ids"][:old["prompt_len"]] != ids:
             raise DataMismatch(f"{cfg.import_samples}: sample {p['id']!r} was made from another "
                                f"prompt encoding than this target's chat template gives now; "
                                f"import only samples made for this target and template")
-        replay.append((p, ids, old["input_ids"][len(ids):][:cfg.max_new_tokens]))
+        replay.append((p, ids, old["input_ids"][len(ids):][:cfg.max_new_tokens], old))
     bar = tqdm(total=len(todo) + len(replay), disable=not progress, desc="regenerate", unit="sample")
     tokens, t0 = 0, time.perf_counter()
     teachers = TeacherStore(out)
@@ -296,8 +329,8 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
     with samples_path.open("a") as log:
         for b in range(0, len(replay), cfg.batch_size):
             batch = replay[b:b + cfg.batch_size]
-            rows = _replay_batch(target, [(ids, resp) for _, ids, resp in batch], cfg)
-            write([(p, ids) for p, ids, _ in batch], rows)
+            rows = _replay_batch(target, [(ids, resp, old) for _, ids, resp, old in batch], cfg, stored)
+            write([(p, ids) for p, ids, _, _ in batch], rows)
         window = cfg.batch_size * 4  # sort a small window by length: less padding, same mix
         with target.batched_attention():
             for w in range(0, len(todo), window):

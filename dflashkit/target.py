@@ -392,3 +392,22 @@ def load_target_head(name_or_path: str | Path, dtype: torch.dtype = torch.float3
             raise TargetError(f"{path}: no lm_head.weight and the embeddings are not tied")
         found["head"] = found["embed"]
     return TargetHead(info, found["embed"], found["head"])
+
+
+def read_target_tensors(name_or_path: str | Path, names: list[str],
+                        dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Read the named tensors (Hugging Face names) from the target's safetensors files,
+    without building the model; a name that is not there is a clear error."""
+    from safetensors import safe_open
+    _, path = load_target_info(name_or_path, progress=False)
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for n in set(names) & set(f.keys()):
+                found[n] = f.get_tensor(n).to(dtype)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise TargetError(f"{path}: no tensor named {missing[0]!r} in the safetensors files "
+                          f"({len(missing)} of {len(names)} missing); drafter.init: target needs "
+                          f"a Llama/Qwen-style checkpoint (model.layers.N.self_attn.q_proj.weight, ...)")
+    return found

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .checkpoint import atomic_write, save_drafter
-from .drafter import DFlashDrafter, config_for_target, init_drafter
+from .drafter import DFlashDrafter, config_for_target, init_drafter, warm_start_from_target
 from .objective import (Blocks, build_blocks, default_gamma, dflash_loss,
                         expected_acceptance_length, sample_anchors)
 from .regenerate import FeatureStore, read_samples
@@ -38,6 +38,9 @@ class DrafterSpec:
     intermediate_size: int | None = None
     target_layer_ids: list[int] | None = None   # default: every layer stored in the data
     mask_token_id: int | None = None
+    # "random" (seeded normal init) or "target": start from the target's layers above the
+    # highest feature layer (drafter.warm_start_from_target says what is copied and why)
+    init: str = "random"
 
 
 @dataclass
@@ -202,6 +205,11 @@ class Trainer:
                                  mask_token_id=drafter_spec.mask_token_id,
                                  intermediate_size=drafter_spec.intermediate_size)
         self.drafter: DFlashDrafter = init_drafter(dcfg, seed=cfg.seed).train()
+        if drafter_spec.init == "target":
+            from .target import read_target_tensors
+            warm_start_from_target(self.drafter, lambda names: read_target_tensors(target_name, names))
+        elif drafter_spec.init != "random":
+            raise ValueError(f"drafter.init must be 'random' or 'target', got {drafter_spec.init!r}")
         self.gamma = cfg.gamma or default_gamma(dcfg.block_size)
         vocab = self.head.num_embeddings
         if cfg.draft_vocab == "data":

@@ -105,3 +105,21 @@ def test_bf16_fast_path_equals_its_plain_loop_on_the_real_model():
                 for i in ids] == plain, bs
     batched = batch_generate(target, drafter, [BatchRequest(i, 40) for i in ids], block_size=4)
     assert [r.tokens for r in batched] == plain
+
+
+def test_warm_start_from_the_real_target_reads_its_layers_by_name(qwen):
+    """drafter.init: target on Qwen2.5 (attention biases dropped): the drafter's context is
+    what target layer 22 normalises its input to, read straight from the safetensors files."""
+    from dflashkit.drafter import warm_start_from_target
+    from dflashkit.target import read_target_tensors
+    cfg = config_for_target(qwen, num_layers=1, block_size=8, target_layer_ids=[1, 6, 11, 16, 21])
+    drafter = init_drafter(cfg)
+    assert warm_start_from_target(drafter, lambda names: read_target_tensors(QWEN, names)) == [22]
+    ids = torch.tensor([qwen.encode_prompt(PROMPT)])
+    with qwen.default_path(), torch.no_grad():
+        hidden = qwen.model(ids, output_hidden_states=True).hidden_states
+        expected = qwen.model.model.layers[22].input_layernorm(hidden[22])
+        context = drafter.project_context(torch.cat([hidden[j + 1] for j in cfg.target_layer_ids], -1))
+    torch.testing.assert_close(context, expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="no tensor named"):
+        read_target_tensors(QWEN, ["model.layers.99.mlp.up_proj.weight"])

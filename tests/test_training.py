@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from dflashkit.drafter import init_drafter, warm_start_from_target
 from dflashkit.regenerate import DataConfig, FeatureStore, read_samples, regenerate
 from tests.conftest import EOS, MASK, tiny_target
 
@@ -167,10 +169,43 @@ def test_imported_samples_keep_their_responses_and_cost_one_forward(tiny_run, tm
                    feature_layers=LAYERS, import_samples=str(tmp_path / "missing.jsonl")), progress=False)
 
 
-def _config(root: Path, name: str, **train) -> Path:
+def test_a_data_folder_imports_with_its_features_and_import_only_generates_nothing(tiny_run, tmp_path,
+                                                                                   monkeypatch):
+    """Importing an earlier data folder copies its stored features when they are the same
+    layers in the same dtype (no target pass at all); other layers cost one forward each.
+    import_only leaves out the prompts the import lacks instead of generating them."""
+    import dflashkit.regenerate as regen
+    root, target = tiny_run
+    old_dir = root / "run" / "data"
+    passes = []
+    real_forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: passes.append(1) or real_forward(*a, **k))
+    monkeypatch.setattr(regen, "_generate_batch", lambda *a: pytest.fail("import_only generated"))
+    cfg = DataConfig(out_dir=str(tmp_path / "same"), max_new_tokens=20, batch_size=4, feature_layers=LAYERS,
+                     teacher_top_k=0, import_samples=str(old_dir), import_only=True)
+    regenerate(target, _prompts(24), cfg, progress=False)
+    assert passes == []
+    got = {r["id"]: r for r in read_samples(tmp_path / "same")}
+    old_store, new_store = FeatureStore(old_dir), FeatureStore(tmp_path / "same")
+    assert sorted(got) == sorted(r["id"] for r in read_samples(old_dir))
+    for rec in read_samples(old_dir):
+        assert got[rec["id"]]["input_ids"] == rec["input_ids"]
+        assert torch.equal(new_store.get(got[rec["id"]]), old_store.get(rec))
+    other = DataConfig(out_dir=str(tmp_path / "other"), max_new_tokens=20, batch_size=4, feature_layers=[0, 2],
+                       teacher_top_k=0, import_samples=str(old_dir), import_only=True)
+    regenerate(target, _prompts(24), other, progress=False)
+    assert len(passes) == 20
+    rec = read_samples(tmp_path / "other")[0]
+    assert FeatureStore(tmp_path / "other").get(rec).shape == (len(rec["input_ids"]) - 1, 2 * target.hidden_size)
+    with pytest.raises(ValueError, match="import_only needs data.import_samples"):
+        regenerate(target, _prompts(2), DataConfig(out_dir=str(tmp_path / "none"), feature_layers=LAYERS,
+                                                   import_only=True), progress=False)
+
+
+def _config(root: Path, name: str, drafter: dict | None = None, **train) -> Path:
     cfg = {"target": str(root / "target"), "run_dir": str(root / name),
            "data": {"feature_layers": LAYERS},
-           "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": MASK},
+           "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": MASK, **(drafter or {})},
            "train": {"epochs": 2, "global_batch": 4, "num_anchors": 6, "heldout": 4, "eval_every": 3,
                      "save_every": 1, "lr": 3e-3, "threads": 1, **train}}
     (root / name).mkdir(exist_ok=True)
@@ -248,6 +283,41 @@ def test_online_features_train_like_stored_ones(tiny_run):
     losses = {mode: _logged_losses(root, f"features-{mode}", features=mode, max_steps=2)[0][0]
               for mode in ("stored", "online")}
     assert losses["online"] == pytest.approx(losses["stored"], rel=0.02)
+
+
+def test_a_drafter_warm_started_from_the_target_projects_the_targets_own_context(tiny_run):
+    """drafter.init: target: with feature layers [0, 2] the drafter's layer is target layer 3
+    and its context vectors equal what that layer normalises its own input to."""
+    from dflashkit.pipeline import load_config
+    from dflashkit.trainer import Trainer
+    root, target = tiny_run
+    cfg = load_config(_config(root, "warm", drafter={"init": "target", "target_layer_ids": [0, 2]}))
+    drafter = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train,
+                      progress=False).drafter
+    saved = load_file(root / "target" / "model.safetensors")
+    for part in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj", "post_attention_layernorm"):
+        assert torch.equal(drafter.layers[0].get_submodule(part).weight, saved[f"model.layers.3.{part}.weight"])
+    assert torch.equal(drafter.norm.weight, saved["model.norm.weight"])
+    assert drafter.config.extra["dflashkit"]["init_from_target_layers"] == [3]
+    # the context, on a target whose norms are not all ones (random init leaves them at one)
+    other = tiny_target("qwen2", seed=3)
+    with other.default_path(), torch.no_grad():
+        for norm in [m for m in other.model.modules() if type(m).__name__.endswith("RMSNorm")]:
+            norm.weight.uniform_(0.5, 2.0)
+        tensors = dict(other.model.state_dict())
+        fresh = init_drafter(replace(drafter.config, extra={}), seed=1)
+        assert warm_start_from_target(fresh, lambda names: {n: tensors[n] for n in names}) == [3]
+        ids = torch.tensor([[5, 17, 33, 8, 41, 9]])
+        hidden = other.model(ids, output_hidden_states=True).hidden_states   # [i + 1]: layer i's output
+        expected = other.model.model.layers[3].input_layernorm(hidden[3])
+        context = fresh.project_context(torch.cat([hidden[1], hidden[3]], dim=-1))
+    torch.testing.assert_close(context, expected, atol=1e-5, rtol=1e-5)
+    bad = load_config(_config(root, "warm-bad", drafter={"init": "target", "intermediate_size": 32}))
+    with pytest.raises(ValueError, match="intermediate_size"):
+        Trainer(bad.target, bad.data_dir, bad.train_dir, bad.drafter, bad.train, progress=False)
+    typo = load_config(_config(root, "warm-typo", drafter={"init": "targets"}))
+    with pytest.raises(ValueError, match="drafter.init"):
+        Trainer(typo.target, typo.data_dir, typo.train_dir, typo.drafter, typo.train, progress=False)
 
 
 def _logged_losses(root: Path, name: str, **train):
@@ -468,5 +538,6 @@ def test_every_committed_config_loads(path):
     from dflashkit.regenerate import DataConfig
     cfg = load_config(ROOT / path)
     assert isinstance(cfg.data, DataConfig) and cfg.target and cfg.run_dir
-    if cfg.data.import_samples:
-        assert (ROOT / cfg.data.import_samples).exists()
+    if cfg.data.import_samples:   # committed, or the data folder another committed config makes
+        made = {str(Path(load_config(p).run_dir) / "data") for p in (ROOT / "configs").rglob("*.yaml")}
+        assert (ROOT / cfg.data.import_samples).exists() or cfg.data.import_samples in made
