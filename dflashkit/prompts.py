@@ -150,6 +150,15 @@ def library_code_prompts() -> list[dict]:
     return _docstring_prompts(sorted(modules), "lib", "library-docstrings", "docs", max_doc=1200)
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def without_addresses(text: str) -> str:
+    """Drop the memory addresses that default reprs carry (``<function f at 0x7f...>``):
+    they change from process to process, and a prompt must be the same in every run."""
+    return _ADDRESS.sub("", text)
+
+
 def _docstring_prompts(module_names, prefix: str, source: str, kind: str, max_doc: int) -> list[dict]:
     """One prompt per public function defined in the module with a 60..max_doc character
     docstring and a signature; a name is used once (re-exports and twins are skipped)."""
@@ -169,7 +178,7 @@ def _docstring_prompts(module_names, prefix: str, source: str, kind: str, max_do
             if not 60 <= len(doc) <= max_doc or name in seen:
                 continue
             try:
-                sig = str(inspect.signature(obj))
+                sig = without_addresses(str(inspect.signature(obj)))
             except (TypeError, ValueError):
                 continue
             seen.add(name)

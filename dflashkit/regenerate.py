@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .checkpoint import atomic_write
+from .prompts import without_addresses
 from transformers import DynamicCache
 
 from .shards import ShardReader, read_jsonl, repair_tail
@@ -248,6 +250,17 @@ def read_import(path: str | Path) -> dict[str, dict]:
     return out
 
 
+def differs_only_in_addresses(target: Target, old_ids: list[int], new_ids: list[int]) -> bool:
+    """Whether two prompt encodings differ only by memory addresses in the text (``<function
+    f at 0x7f...>``): prompts built before addresses were stripped. Such a sample is stale, not
+    a sign of another template, and is regenerated rather than imported."""
+    if target.tokenizer is None:
+        return False
+    decode = target.tokenizer.decode
+    old_text, new_text = decode(old_ids), decode(new_ids)
+    return old_text != new_text and without_addresses(old_text) == without_addresses(new_text)
+
+
 def reusable_features(path: str | Path, target_name: str, cfg: DataConfig) -> FeatureStore | None:
     """The feature store of an imported data folder when its features are the ones this
     stage would compute (same target, layers and dtype); None otherwise."""
@@ -281,7 +294,7 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
         raise ValueError("data.import_only needs data.import_samples (the samples to keep)")
     imported = read_import(cfg.import_samples) if cfg.import_samples else {}
     stored = reusable_features(cfg.import_samples, target.name, cfg) if cfg.import_samples else None
-    todo, replay = [], []
+    todo, replay, stale = [], [], []
     for p in prompts:
         if p["id"] in done_ids:
             continue
@@ -294,10 +307,19 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
                 todo.append((p, ids))
             continue
         if old["input_ids"][:old["prompt_len"]] != ids:
-            raise DataMismatch(f"{cfg.import_samples}: sample {p['id']!r} was made from another "
-                               f"prompt encoding than this target's chat template gives now; "
-                               f"import only samples made for this target and template")
+            if not differs_only_in_addresses(target, old["input_ids"][:old["prompt_len"]], ids):
+                raise DataMismatch(f"{cfg.import_samples}: sample {p['id']!r} was made from another "
+                                   f"prompt encoding than this target's chat template gives now; "
+                                   f"import only samples made for this target and template")
+            stale.append(imported.pop(p["id"])["id"])
+            if not cfg.import_only:
+                todo.append((p, ids))
+            continue
         replay.append((p, ids, old["input_ids"][len(ids):][:cfg.max_new_tokens], old))
+    if stale:
+        print(f"data: {len(stale)} imported samples were made from a prompt that showed a memory "
+              f"address (e.g. {stale[0]}); they are {'left out' if cfg.import_only else 'regenerated'}",
+              file=sys.stderr)
     bar = tqdm(total=len(todo) + len(replay), disable=not progress, desc="regenerate", unit="sample")
     tokens, t0 = 0, time.perf_counter()
     teachers = TeacherStore(out)

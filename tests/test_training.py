@@ -1,5 +1,6 @@
 """The training pipeline end to end on a tiny target: data, resume after kill -9, torchrun."""
 
+import hashlib
 import json
 import math
 import os
@@ -167,6 +168,60 @@ def test_imported_samples_keep_their_responses_and_cost_one_forward(tiny_run, tm
     with pytest.raises(FileNotFoundError, match="import_samples"):
         regenerate(target, _prompts(2), DataConfig(out_dir=str(tmp_path / "data3"),
                    feature_layers=LAYERS, import_samples=str(tmp_path / "missing.jsonl")), progress=False)
+
+
+class _CharTokenizer:
+    """Printable ASCII, one id per character (fits the tiny vocabulary)."""
+    eos_token_id = pad_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 32 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i + 32) for i in ids)
+
+
+def test_an_imported_sample_whose_prompt_showed_a_memory_address_is_regenerated(tiny_run, tmp_path,
+                                                                                 monkeypatch):
+    """Prompts built before addresses were stripped (``<function g at 0x7f...>`` changes from
+    process to process) are regenerated, or left out under import_only; any other difference
+    in the prompt is still refused."""
+    import dflashkit.regenerate as regen
+    from dflashkit.regenerate import DataMismatch
+    root, target = tiny_run
+    tok = _CharTokenizer()
+    monkeypatch.setattr(target, "tokenizer", tok)
+    records = read_samples(root / "run" / "data")
+    signature = "def f(h=<function g{}>, n=3):"
+    old_prompt, new_prompt = tok.encode(signature.format(" at 0x7f8c771c6020")), tok.encode(signature.format(""))
+    archive = tmp_path / "old.jsonl"
+    with archive.open("w") as f:
+        for r in records:
+            if r["id"] == "p0":
+                r = {**r, "input_ids": old_prompt + r["input_ids"][r["prompt_len"]:], "prompt_len": len(old_prompt)}
+            f.write(json.dumps(r) + "\n")
+    prompts = [{**p, "input_ids": new_prompt} if p["id"] == "p0" else p for p in _prompts(20)]
+    generated = []
+    real = regen._generate_batch
+    monkeypatch.setattr(regen, "_generate_batch",
+                        lambda t, ids, *a: generated.extend(ids) or real(t, ids, *a))
+    cfg = DataConfig(out_dir=str(tmp_path / "data"), max_new_tokens=20, batch_size=4, feature_layers=LAYERS,
+                     teacher_top_k=0, import_samples=str(archive))
+    regenerate(target, prompts, cfg, progress=False)
+    got = {r["id"]: r for r in read_samples(tmp_path / "data")}
+    assert generated == [new_prompt] and len(got) == 20
+    assert not got["p0"].get("imported") and got["p0"]["input_ids"][:got["p0"]["prompt_len"]] == new_prompt
+    assert all(got[r["id"]].get("imported") for r in records if r["id"] != "p0")
+    only = DataConfig(out_dir=str(tmp_path / "only"), max_new_tokens=20, batch_size=4, feature_layers=LAYERS,
+                      teacher_top_k=0, import_samples=str(archive), import_only=True)
+    regenerate(target, prompts, only, progress=False)
+    assert sorted(r["id"] for r in read_samples(tmp_path / "only")) == sorted(set(got) - {"p0"})
+    assert len(generated) == 1
+    other = [{**p, "input_ids": tok.encode(signature.format(", m=4"))} if p["id"] == "p0" else p
+             for p in _prompts(20)]
+    with pytest.raises(DataMismatch, match="'p0' was made from another prompt encoding"):
+        regenerate(target, other, DataConfig(out_dir=str(tmp_path / "other"), max_new_tokens=20,
+                   feature_layers=LAYERS, import_samples=str(archive)), progress=False)
 
 
 def test_a_data_folder_imports_with_its_features_and_import_only_generates_nothing(tiny_run, tmp_path,
@@ -357,6 +412,13 @@ def test_library_prompts_are_humaneval_shaped_and_extend_the_mix_without_changin
         text = p["messages"][0]["content"]
         assert text.startswith(CODE_INSTRUCTION) and "\n```python\ndef " in text and '"""' in text
         assert p["kind"] == "docs" and p["source"] == "library-docstrings"
+    # The same in every process: no memory address of a default's repr ('<function g at 0x7f..>')
+    # may leak into a prompt, or a later run could not import the samples made from it.
+    assert not [p["id"] for p in pool if " at 0x" in p["messages"][0]["content"]]
+    digest = "import hashlib, json; from dflashkit.prompts import library_code_prompts; " \
+             "print(hashlib.sha256(json.dumps(library_code_prompts()).encode()).hexdigest())"
+    other = subprocess.run([sys.executable, "-c", digest], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == hashlib.sha256(json.dumps(pool).encode()).hexdigest()
     base = training_prompts(12, 6, 6)
     more = training_prompts(12, 6, 6, num_docs=8)
     assert {p["id"] for p in base} <= {p["id"] for p in more}
