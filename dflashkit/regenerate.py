@@ -306,12 +306,14 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
             if not cfg.import_only:
                 todo.append((p, ids))
             continue
-        if old["input_ids"][:old["prompt_len"]] != ids:
-            if not differs_only_in_addresses(target, old["input_ids"][:old["prompt_len"]], ids):
+        old_prompt = old["input_ids"][:old["prompt_len"]]
+        if old_prompt != ids:
+            if not differs_only_in_addresses(target, old_prompt, ids):
                 raise DataMismatch(f"{cfg.import_samples}: sample {p['id']!r} was made from another "
                                    f"prompt encoding than this target's chat template gives now; "
                                    f"import only samples made for this target and template")
-            stale.append(imported.pop(p["id"])["id"])
+            del imported[p["id"]]           # not marked "imported" when regenerated
+            stale.append(p["id"])
             if not cfg.import_only:
                 todo.append((p, ids))
             continue
