@@ -1,5 +1,6 @@
 """Where a decoding step's time goes, adaptive block size against fixed sizes, in one process,
-interleaved prompt by prompt (bf16 fast path, the shipped drafter, greedy).
+interleaved prompt by prompt (the fast path in ``--dtype``, bf16 unless told; the shipped
+drafter, greedy).
 
     .venv/bin/python benchmarks/step_breakdown.py --num-prompts 6 --fixed 4,5
 
@@ -62,8 +63,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--fixed", default="4,5", help="fixed block sizes to compare with auto")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
-    target = load_target(args.target, dtype="bfloat16")
+    target = load_target(args.target, dtype=args.dtype)
     proposer = DFlashProposer(load_drafter(args.drafter), target)
     block = proposer.drafter.block_size
     curve = cost_curve(target, proposer, max_q=block)
@@ -110,6 +112,15 @@ def main():
     print(f"\nTarget pass cost per extra verified row, least squares over the auto run's {len(auto)} "
           f"verify passes: {b:.2f} ms (at {a + b:.1f} ms for one row); the start-up curve says "
           f"{cb:.2f} ms (at {ca + cb:.1f}).")
+    by_q = defaultdict(list)
+    for m in methods:
+        for q, ms in timers[m].passes:
+            if q <= block:
+                by_q[q].append(ms)
+    print("\nMedian target pass by verified rows, every method's passes (count), beside the start-up "
+          "curve:\n\n| rows | passes | median ms | start-up curve ms |\n|---|---|---|---|")
+    for q in sorted(by_q):
+        print(f"| {q} | {len(by_q[q])} | {statistics.median(by_q[q]):.1f} | {curve.verify(q):.1f} |")
 
 
 if __name__ == "__main__":
