@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 from pathlib import Path
 
 import torch
 
 from .checkpoint import atomic_write
 from .costs import (cpu_model, drafter_pass_floor, measure_bandwidth_gbs, measure_draft_ms,
-                    measure_matmul_gflops, measure_verify_ms, pass_flops, pass_weight_bytes)
+                    measure_matmul_gflops, measure_step_verify_rounds, pass_flops,
+                    pass_weight_bytes)
 
 
 def run_cost_bench(target, drafter=None, kv_lengths=(256, 2048), max_q: int = 16,
@@ -36,7 +38,7 @@ def run_cost_bench(target, drafter=None, kv_lengths=(256, 2048), max_q: int = 16
                      "torch": torch.__version__, "python": platform.python_version(),
                      "bandwidth_gbs": bandwidth, "matmul_gflops": peak,
                      "weight_bytes": weight_bytes, "qs": qs, "kv_lengths": list(kv_lengths),
-                     "verify_ms": {}, "draft_ms": {}, "floors_ms": {}, "draft_floors_ms": {}}
+                     "verify_ms": {}, "verify_rounds_ms": {}, "draft_ms": {}, "floors_ms": {}, "draft_floors_ms": {}}
     for kv in kv_lengths:
         results["floors_ms"][str(kv)] = {
             "bandwidth": weight_bytes / (bandwidth * 1e9) * 1000,
@@ -47,8 +49,11 @@ def run_cost_bench(target, drafter=None, kv_lengths=(256, 2048), max_q: int = 16
             target.set_fast_path(backend == "fast")
             for kv in kv_lengths:
                 say(f"{backend} backend, KV {kv}: target q = 1..{max_q}", flush=True)
-                results["verify_ms"].setdefault(backend, {})[str(kv)] = measure_verify_ms(
-                    target, qs, kv, capture, repeats)
+                # every q once per round, so drift on a shared machine spreads over all q
+                rounds = measure_step_verify_rounds(target, qs, kv, capture, repeats, acceptance=False)
+                results["verify_ms"].setdefault(backend, {})[str(kv)] = {
+                    q: statistics.median(v) for q, v in rounds.items()}
+                results["verify_rounds_ms"].setdefault(backend, {})[str(kv)] = rounds
                 if drafter is not None:
                     proposer = DFlashProposer(drafter, target)
                     results["draft_ms"].setdefault(backend, {})[str(kv)] = measure_draft_ms(
@@ -76,11 +81,16 @@ def cost_table(r: dict) -> str:
         fast = r["verify_ms"].get("fast", r["verify_ms"][backends[0]])[kv]
         base = fast[_k(fast, 1)]
         ref = "fast" if "fast" in r["verify_ms"] else backends[0]
-        head = "| q | " + " | ".join(f"{b} ms" for b in backends) + \
+        rounds = r.get("verify_rounds_ms", {}).get(ref, {}).get(kv)   # absent in older runs
+        spread = " | {ref} rounds min-max ms" if rounds else ""
+        head = "| q | " + " | ".join(f"{b} ms" for b in backends) + spread.format(ref=ref) + \
             f" | {ref} / {ref} q=1 | bandwidth floor ms | compute floor ms |"
-        lines += [f"### KV length {kv}", "", head, "|" + "---|" * (len(backends) + 4)]
+        lines += [f"### KV length {kv}", "", head, "|" + "---|" * (len(backends) + 4 + bool(rounds))]
         for q in r["qs"]:
             cells = [f"{r['verify_ms'][b][kv][_k(r['verify_ms'][b][kv], q)]:.1f}" for b in backends]
+            if rounds:
+                times = rounds[_k(rounds, q)]
+                cells.append(f"{min(times):.1f}-{max(times):.1f}")
             ratio = fast[_k(fast, q)] / base
             comp = floors["compute"][_k(floors["compute"], q)]
             lines.append(f"| {q} | " + " | ".join(cells) +

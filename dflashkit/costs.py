@@ -111,30 +111,22 @@ def drafter_pass_floor(proposer, kv_length: int, num_slots: int | None = None) -
 @torch.inference_mode()
 def measure_verify_ms(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
                       repeats: int = 5) -> dict[int, float]:
-    """Median time of a target forward over q new tokens at KV length ``kv_length``."""
-    g = torch.Generator().manual_seed(0)
-    low, vocab = min(100, target.num_embeddings // 4), min(target.num_embeddings, 20000)
-    prompt = torch.randint(low, vocab, (1, kv_length), generator=g)
-    cache = target.new_cache()
-    target.forward(prompt, 0, cache)
-    out = {}
-    for q in qs:
-        block = torch.randint(low, vocab, (1, q), generator=g)
-
-        def step():
-            target.forward(block, kv_length, cache, capture=capture)
-            target.rollback(cache, kv_length)
-        out[q] = median_ms(step, repeats=repeats)
-    return out
+    """Median time of a target forward over q new tokens at KV length ``kv_length``, over
+    ``repeats`` rounds that each visit every q (see measure_step_verify_rounds)."""
+    return {q: statistics.median(v) for q, v in measure_step_verify_rounds(
+        target, qs, kv_length, capture, repeats, acceptance=False).items()}
 
 
 @torch.inference_mode()
 def measure_step_verify_rounds(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
-                               rounds: int = 7) -> dict[int, list[float]]:
-    """What the decoding loop pays to verify q tokens: the target pass plus the acceptance
-    (argmax over the vocabulary per row), in ``rounds`` rounds that each visit every q once,
-    so drift on a busy machine is spread over all q instead of landing on a few, and two q
-    can be compared round by round (smooth_costs)."""
+                               rounds: int = 7, acceptance: bool = True) -> dict[int, list[float]]:
+    """What the decoding loop pays to verify q tokens: the target pass plus, with
+    ``acceptance``, the argmax over the vocabulary per row, in ``rounds`` rounds that each
+    visit every q once, so drift on a busy machine is spread over all q instead of landing on
+    a few, and two q can be compared round by round (smooth_costs). Timing each q's repeats
+    back to back instead made one bench-cost table on a noisy AMD EPYC read a 14-token pass
+    32% dearer than a 15-token one and 1 to 6 rows as flat, where real decoding there paid
+    ~12 ms per extra row."""
     g = torch.Generator().manual_seed(0)
     low, vocab = min(100, target.num_embeddings // 4), min(target.num_embeddings, 20000)
     cache = target.new_cache()
@@ -145,7 +137,8 @@ def measure_step_verify_rounds(target, qs: list[int], kv_length: int, capture: l
         for q in qs:
             t = time.perf_counter()
             out = target.forward(blocks[q], kv_length, cache, capture=capture)
-            out.logits[0].argmax(-1).tolist()
+            if acceptance:
+                out.logits[0].argmax(-1).tolist()
             elapsed = (time.perf_counter() - t) * 1e3
             target.rollback(cache, kv_length)
             if r:

@@ -55,11 +55,44 @@ def test_floors_and_report_of_a_tiny_model(tmp_path, monkeypatch):
     own = sum(p.numel() for p in drafter.parameters()) + target.lm_head.weight.numel()
     assert nbytes == own * 4 and flops > 2 * own
     assert r["draft_floors_ms"]["16"]["bandwidth"] == pytest.approx(nbytes / 10e9 * 1000)
+    rounds = r["verify_rounds_ms"]["fast"]["16"]
+    assert set(rounds) == {1, 2, 3, 4} and all(len(v) == 1 for v in rounds.values())
     table = (tmp_path / "costs.md").read_text()
     assert "| 4 |" in table and "Drafter pass" in table and "Its floors: bandwidth" in table
+    assert "fast rounds min-max ms" in table
     assert json.loads((tmp_path / "costs.json").read_text())["qs"] == [1, 2, 3, 4]
     assert (tmp_path / "costs.png").stat().st_size > 0
     r = run_cost_bench(target, None, kv_lengths=(16,), max_q=2, backends=("default",), repeats=1,
                        out=tmp_path / "d", progress=False)
     assert "default / default q=1" in (tmp_path / "d" / "costs.md").read_text()   # labels the backend run
     assert torch.get_num_threads() == r["threads"]
+
+
+def test_every_round_visits_every_q_so_drift_cannot_land_on_a_few(monkeypatch):
+    """Timing each q's repeats back to back let a slow stretch of a shared machine land on
+    a few q (a 14-token pass read 32% dearer than a 15-token one on one EPYC)."""
+    from dflashkit.costs import measure_step_verify_rounds, measure_verify_ms
+    target = tiny_target("qwen2", seed=3)
+    seen, forward = [], target.forward
+
+    def recording(ids, *args, **kwargs):
+        seen.append(ids.shape[1])
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", recording)
+    times = measure_step_verify_rounds(target, [1, 2, 3], kv_length=8, rounds=2, acceptance=False)
+    assert seen == [8] + [1, 2, 3] * 3          # the prompt, a warm-up round, then two rounds
+    assert all(len(v) == 2 for v in times.values())
+    seen.clear()
+    medians = measure_verify_ms(target, [1, 2], kv_length=8, repeats=3)
+    assert seen == [8] + [1, 2] * 4 and set(medians) == {1, 2}
+
+
+def test_a_table_written_before_rounds_were_kept_still_renders():
+    from dflashkit.costbench import cost_table
+    r = {"target": "t", "dtype": "float32", "cpu": "c", "threads": 2, "torch": "x",
+         "bandwidth_gbs": 10.0, "matmul_gflops": 100.0, "weight_bytes": 1e9, "qs": [1, 2],
+         "kv_lengths": [256], "verify_ms": {"fast": {"256": {"1": 10.0, "2": 12.0}}},
+         "draft_ms": {}, "floors_ms": {"256": {"bandwidth": 100.0, "compute": {"1": 1.0, "2": 2.0}}}}
+    table = cost_table(r)
+    assert "| 2 | 12.0 | 1.20x |" in table and "rounds" not in table
