@@ -38,7 +38,8 @@ def run_cost_bench(target, drafter=None, kv_lengths=(256, 2048), max_q: int = 16
                      "torch": torch.__version__, "python": platform.python_version(),
                      "bandwidth_gbs": bandwidth, "matmul_gflops": peak,
                      "weight_bytes": weight_bytes, "qs": qs, "kv_lengths": list(kv_lengths),
-                     "verify_ms": {}, "verify_rounds_ms": {}, "draft_ms": {}, "floors_ms": {}, "draft_floors_ms": {}}
+                     "verify_ms": {}, "verify_rounds_ms": {}, "draft_ms": {}, "floors_ms": {},
+                     "draft_floors_ms": {}}
     for kv in kv_lengths:
         results["floors_ms"][str(kv)] = {
             "bandwidth": weight_bytes / (bandwidth * 1e9) * 1000,
@@ -82,8 +83,8 @@ def cost_table(r: dict) -> str:
         base = fast[_k(fast, 1)]
         ref = "fast" if "fast" in r["verify_ms"] else backends[0]
         rounds = r.get("verify_rounds_ms", {}).get(ref, {}).get(kv)   # absent in older runs
-        spread = " | {ref} rounds min-max ms" if rounds else ""
-        head = "| q | " + " | ".join(f"{b} ms" for b in backends) + spread.format(ref=ref) + \
+        spread = f" | {ref} rounds min-max ms" if rounds else ""
+        head = "| q | " + " | ".join(f"{b} ms" for b in backends) + spread + \
             f" | {ref} / {ref} q=1 | bandwidth floor ms | compute floor ms |"
         lines += [f"### KV length {kv}", "", head, "|" + "---|" * (len(backends) + 4 + bool(rounds))]
         for q in r["qs"]:

@@ -109,15 +109,6 @@ def drafter_pass_floor(proposer, kv_length: int, num_slots: int | None = None) -
 
 
 @torch.inference_mode()
-def measure_verify_ms(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
-                      repeats: int = 5) -> dict[int, float]:
-    """Median time of a target forward over q new tokens at KV length ``kv_length``, over
-    ``repeats`` rounds that each visit every q (see measure_step_verify_rounds)."""
-    return {q: statistics.median(v) for q, v in measure_step_verify_rounds(
-        target, qs, kv_length, capture, repeats, acceptance=False).items()}
-
-
-@torch.inference_mode()
 def measure_step_verify_rounds(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
                                rounds: int = 7, acceptance: bool = True) -> dict[int, list[float]]:
     """What the decoding loop pays to verify q tokens: the target pass plus, with
@@ -147,10 +138,16 @@ def measure_step_verify_rounds(target, qs: list[int], kv_length: int, capture: l
 
 
 def measure_step_verify_ms(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
-                           rounds: int = 7) -> dict[int, float]:
+                           rounds: int = 7, acceptance: bool = True) -> dict[int, float]:
     """The median of measure_step_verify_rounds per q."""
     return {q: statistics.median(v) for q, v in
-            measure_step_verify_rounds(target, qs, kv_length, capture, rounds).items()}
+            measure_step_verify_rounds(target, qs, kv_length, capture, rounds, acceptance).items()}
+
+
+def measure_verify_ms(target, qs: list[int], kv_length: int, capture: list[int] | None = None,
+                      repeats: int = 5) -> dict[int, float]:
+    """Median time of a target forward alone over q new tokens, ``repeats`` rounds."""
+    return measure_step_verify_ms(target, qs, kv_length, capture, repeats, acceptance=False)
 
 
 def cheaper_in_every_round(rounds: dict[int, list[float]], q: int, other: int,
