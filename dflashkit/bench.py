@@ -25,8 +25,8 @@ from .baselines import hf_generate
 from .checkpoint import atomic_write
 from .costs import cpu_features, cpu_model
 from .decoding import DFlashProposer, speculative_generate
-from .report import (Record, attach_checks, mismatch_kind, read_records, record_line, summarize,
-                     write_records, write_report)
+from .report import (Record, attach_checks, mismatch_kind, read_records, record_line,
+                     speculates_on_our_loop, summarize, write_records, write_report)
 from .sampling import SamplingConfig
 from .suites import BenchPrompt, load_suite
 from .target import Target
@@ -46,7 +46,14 @@ class RunResult:
 Method = Callable[[list[int], int, SamplingConfig, list[int]], RunResult]
 
 
-METHOD_FORMS = "ar, ar-loop, dflash, dflash:B, dflash:auto, prompt-lookup, assisted:MODEL"
+METHOD_FORMS = ("ar, ar-loop, dflash, dflash:B, dflash:auto, dflash+lookup[:B|:auto], lookup[:B], "
+                "prompt-lookup, assisted:MODEL")
+
+
+def _split_method(name: str) -> tuple[str, str | None]:
+    """``dflash+lookup:auto`` -> ("dflash+lookup", "auto"); ``lookup`` -> ("lookup", None)."""
+    base, _, spec = name.partition(":")
+    return base, (spec if _ else None)
 
 
 def check_method_names(names: list[str]) -> None:
@@ -54,12 +61,16 @@ def check_method_names(names: list[str]) -> None:
     if not names:
         raise ValueError(f"--methods is empty; choose from {METHOD_FORMS}")
     for name in names:
-        if name in ("ar", "ar-loop", "dflash", "prompt-lookup"):
+        if name in ("ar", "ar-loop", "dflash", "prompt-lookup", "dflash+lookup", "lookup"):
             continue
-        if name.startswith("dflash:"):
-            spec = name.split(":", 1)[1]
+        base, spec = _split_method(name)
+        if base in ("dflash", "dflash+lookup"):
             if spec != "auto" and not (spec.isdigit() and int(spec) >= 1):
                 raise ValueError(f"method {name!r}: the block size must be a positive integer or 'auto'")
+        elif base == "lookup":
+            if not (spec.isdigit() and int(spec) >= 2):
+                raise ValueError(f"method {name!r}: the block size of lookup must be an integer >= 2 "
+                                 f"(1 target token + at least one copied)")
         elif name.startswith("assisted:"):
             if not name.split(":", 1)[1].strip():
                 raise ValueError(f"method {name!r} names no draft model: write assisted:MODEL, e.g. "
@@ -87,12 +98,17 @@ def make_methods(names: list[str], target: Target, drafter=None, block_size: int
         elif name == "ar-loop":
             methods[name] = lambda ids, n, s, stops: _from_loop(
                 speculative_generate(target, None, ids, n, s, stops, block_size=1))
-        elif name == "dflash" or name.startswith("dflash:"):
+        elif _split_method(name)[0] in ("dflash", "dflash+lookup"):
             if drafter is None:
-                raise ValueError("method dflash needs a drafter (--drafter DIR)")
+                raise ValueError(f"method {name} needs a drafter (--drafter DIR)")
             size = _dflash_block_size(name, block_size, drafter, target)
+            copy = _split_method(name)[0] == "dflash+lookup"
+            methods[name] = lambda ids, n, s, stops, b=size, c=copy: _from_loop(
+                speculative_generate(target, drafter, ids, n, s, stops, block_size=b, lookup=c))
+        elif _split_method(name)[0] == "lookup":
+            size = int(_split_method(name)[1] or (drafter.drafter.block_size if drafter is not None else 8))
             methods[name] = lambda ids, n, s, stops, b=size: _from_loop(
-                speculative_generate(target, drafter, ids, n, s, stops, block_size=b))
+                speculative_generate(target, None, ids, n, s, stops, block_size=b, lookup=True))
         elif name == "prompt-lookup":
             methods[name] = lambda ids, n, s, stops: _from_hf(
                 hf_generate(target, ids, n, s, stops, prompt_lookup_num_tokens=10))
@@ -254,13 +270,13 @@ def _run_environment(out_dir: Path, fresh_start: bool) -> dict:
 def _say_mismatch(rec: Record, kind: str | None, text: str) -> None:
     where = f"{rec.suite}/{rec.prompt_id} turn {rec.turn}"
     if kind == "failure":
-        against_loop = rec.method.startswith("dflash") and rec.identical_to_ar_loop is False
+        against_loop = speculates_on_our_loop(rec.method) and rec.identical_to_ar_loop is False
         ref, pos = ("ar-loop", rec.first_diff_ar_loop) if against_loop else ("ar", rec.first_diff)
         print(f"\n\033[31mLOSSLESS CHECK FAILED\033[0m: {rec.method} differs from {ref} on {where} "
               f"at generated position {pos}; prompt: {text[:120]!r}", file=sys.stderr)
     elif kind == "kernel":
         reference = ("dflash is checked against ar-loop" if rec.method == "ar-loop" else
-                     "identical to ar-loop" if rec.method.startswith("dflash") else
+                     "identical to ar-loop" if speculates_on_our_loop(rec.method) else
                      "HF's multi-row default kernels")
         print(f"\nnote: bf16 {rec.method} differs from ar on {where} at position {rec.first_diff} "
               f"(kernel rounding; {reference})", file=sys.stderr)

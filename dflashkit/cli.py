@@ -141,7 +141,7 @@ def cmd_generate(args) -> int:
     stream = None if args.json else _TerminalStream(target, sys.stdout.isatty())
     result = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
                                   sampling=sampling, stop_token_ids=stops, block_size=args.block_size,
-                                  acceptance=args.acceptance, on_commit=stream)
+                                  acceptance=args.acceptance, on_commit=stream, lookup=args.lookup)
     st = result.stats
     report = {
         "target": args.target, "drafter": str(drafter_path) if drafter is not None else None,
@@ -167,7 +167,8 @@ def cmd_generate(args) -> int:
     print("\n")
     print(f"tokens: {len(result.tokens)} ({result.stop_reason})   tau: {st.tau:.2f}   "
           f"decode: {result.decode_tokens_per_s:.2f} tok/s   prefill: {st.prefill_s:.2f}s   "
-          f"draft: {st.draft_s:.2f}s   verify: {st.verify_s:.2f}s")
+          f"draft: {st.draft_s:.2f}s   verify: {st.verify_s:.2f}s" +
+          (f"   copied: {st.lookup_accepted} tokens in {st.lookup_steps} steps" if args.lookup else ""))
     if args.compare:
         c = report["compare"]
         greedy = sampling.greedy
@@ -210,7 +211,7 @@ def cmd_bench(args) -> int:
     check_method_names(names)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     drafter_path = args.drafter or shipped_drafter(args.target)
-    wants_drafter = any(n == "dflash" or n.startswith("dflash:") for n in names)
+    wants_drafter = any(n.partition(":")[0] in ("dflash", "dflash+lookup") for n in names)
     if wants_drafter and drafter_path is None:
         raise ValueError(f"method dflash needs a drafter: pass --drafter DIR (no shipped drafter "
                          f"for {args.target})")
@@ -331,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="use PyTorch's default CPU kernels instead of prepacked weights")
     gen.add_argument("--acceptance", choices=["match", "rejection"], default="match",
                      help="sampling acceptance rule (both lossless)")
+    gen.add_argument("--lookup", action="store_true",
+                     help="where the context's last n-gram occurred before, verify what followed it "
+                          "instead of a drafter block (copies prompt text; lossless)")
     gen.add_argument("--stop-id", type=int, action="append", help="extra stop token id (repeatable)")
     gen.add_argument("--compare", action="store_true",
                      help="also run plain decoding (HF generate and our loop with B=1)")
@@ -343,7 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated (default: all six)")
     bench.add_argument("--methods", default="ar,ar-loop,dflash,prompt-lookup",
                        help="comma-separated: ar, ar-loop, dflash, dflash:B, dflash:auto, "
-                            "prompt-lookup, assisted:MODEL (default: ar,ar-loop,dflash,prompt-lookup)")
+                            "dflash+lookup[:B|:auto] (the drafter, copying from the context where "
+                            "it can), lookup:B (context copies alone, on our loop), prompt-lookup "
+                            "(HF's), assisted:MODEL (default: ar,ar-loop,dflash,prompt-lookup)")
     bench.add_argument("--num-prompts", type=_positive_int, default=20,
                        help="per suite; a fixed subset for a given --seed (default 20)")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=256, help="default 256")

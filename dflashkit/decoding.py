@@ -22,6 +22,7 @@ from .checkpoint import check_compatible
 from .drafter import ContextCache, DFlashDrafter
 from .costs import cost_curve
 from .fastpath import PackedLinear, pack_linears
+from .lookup import ContextLookup
 from .policy import AdaptiveBlockSize
 from .sampling import SamplingConfig, sample, target_probs
 from .target import Target, TargetError
@@ -113,6 +114,8 @@ class GenerationStats:
     verify_s: float = 0.0
     decode_s: float = 0.0    # everything after the first token
     verify_sizes: list[int] = field(default_factory=list)  # tokens per verify pass (1 + drafts)
+    lookup_steps: int = 0      # steps that verified a context copy instead of the drafter's block
+    lookup_accepted: int = 0   # copied tokens the target accepted
 
     @property
     def tau(self) -> float:
@@ -132,6 +135,7 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens, "prefill_s": self.prefill_s,
             "draft_s": self.draft_s, "verify_s": self.verify_s, "decode_s": self.decode_s,
             "verify_sizes": self.verify_sizes,
+            "lookup_steps": self.lookup_steps, "lookup_accepted": self.lookup_accepted,
         }
 
 
@@ -203,6 +207,7 @@ def speculative_generate(
     block_size: int | str | AdaptiveBlockSize | None = None,
     acceptance: str = "match",
     on_commit: Callable[[list[int], int], None] | None = None,
+    lookup: ContextLookup | bool = False,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens, lossless with respect to ``target``.
 
@@ -214,6 +219,10 @@ def speculative_generate(
         exactly the target's distribution.
     stop_token_ids: default the target's EOS ids; the output ends AT the first one.
     on_commit(new_ids, accepted_from_draft): called whenever tokens are committed (streaming).
+    lookup: True or a ``ContextLookup`` (lookup.py): where the context's last n-gram occurred
+        before, verify what followed it (up to block_size - 1 tokens) instead of drafting; the
+        drafter catches up on the skipped context at its next pass. With no drafter this is
+        prompt lookup decoding on this loop.
     """
     sampling = sampling or SamplingConfig()
     if acceptance not in ("match", "rejection"):
@@ -231,6 +240,9 @@ def speculative_generate(
                           f"the target's context of {target.max_positions} tokens")
     if isinstance(drafter, DFlashDrafter):
         drafter = DFlashProposer(drafter, target)
+    if lookup is True:
+        lookup = ContextLookup()
+    lookup = lookup or None
     trained_block = drafter.drafter.block_size if isinstance(drafter, DFlashProposer) else 16
     policy = block_size if isinstance(block_size, AdaptiveBlockSize) else None
     if block_size == "auto":
@@ -247,10 +259,11 @@ def speculative_generate(
         block_size = trained_block if drafter is not None else 1
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer or 'auto', got {block_size!r}")
-    if block_size > 1 and drafter is None:
-        raise ValueError("block_size > 1 needs a drafter; use block_size=1 for plain decoding")
+    if block_size > 1 and drafter is None and lookup is None:
+        raise ValueError("block_size > 1 needs a drafter (or lookup=True); use block_size=1 for "
+                         "plain decoding")
     if block_size == 1:
-        drafter = None
+        drafter = lookup = None
     stops = set(target.stop_token_ids() if stop_token_ids is None else stop_token_ids)
     generator = None
     if not sampling.greedy:
@@ -266,6 +279,8 @@ def speculative_generate(
     capture = drafter.feature_layers if drafter is not None else None
     if drafter is not None:
         drafter.begin()
+    if lookup is not None:
+        lookup.reset()
     cache = target.new_cache()
 
     def pick(logits: torch.Tensor) -> int:
@@ -300,7 +315,11 @@ def speculative_generate(
         remaining = max_new_tokens - len(generated)
         n_draft, drafting = plan_step(policy, block_size, drafter is not None, remaining)
         proposals, draft_probs, draft_s = [], None, None
-        if drafting:
+        copy = lookup.propose(committed, min(block_size - 1, remaining - 1)) if lookup is not None else []
+        if copy:   # verified like a draft, but not the drafter's: kept out of its statistics
+            proposals, drafting = copy, False
+            stats.lookup_steps += 1
+        elif drafting:
             t = time.perf_counter()
             # "match" drafts greedily (the most likely proposal is the one most often equal to
             # the target's sample); "rejection" needs sampled drafts and their distributions.
@@ -323,20 +342,25 @@ def speculative_generate(
         logits = out.logits[0]
         if sampling.greedy:
             a, nxt = _accept_greedy(proposals, logits)
+        elif copy:   # a deterministic draft: matching the target's sample IS rejection sampling
+            a, nxt = _accept_match(proposals, logits, sampling, generator)
         elif acceptance == "rejection" and draft_probs is not None:
             a, nxt = _accept_rejection(proposals, draft_probs, logits, sampling, generator)
         else:
             a, nxt = _accept_match(proposals, logits, sampling, generator)
         if policy is not None:   # the acceptance's per-row work (argmax over the vocabulary) counts
             policy.observe_costs(block.shape[1], time.perf_counter() - t, draft_s)
-        if policy is not None and rejection and proposals:
+        if policy is not None and rejection and proposals and not copy:
             # sampled drafts equal the target's sample less often than rejection sampling
             # accepts them (sum p*q < sum min(p, q)): learn from the verified slots only
             policy.observe(proposals, [t if k < a else -1 for k, t in enumerate(proposals)])
         new = proposals[:a] + [nxt]
-        for k in range(n_draft):
-            stats.slot_drafted[k] += 1
-            stats.slot_accepted[k] += k < a
+        if copy:
+            stats.lookup_accepted += a
+        else:
+            for k in range(n_draft):
+                stats.slot_drafted[k] += 1
+                stats.slot_accepted[k] += k < a
         if len(new) > remaining:
             new = new[:remaining]
         for i, tok in enumerate(new):

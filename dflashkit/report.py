@@ -137,8 +137,13 @@ def _pooled_speedup(runs: list[Record], bases: list[Record | None]) -> float | N
     return (b_sec / b_tok) / (sec / tok) if tok and sec and b_tok and b_sec else None
 
 
+def speculates_on_our_loop(method: str) -> bool:
+    """dflash, dflash:B, dflash+lookup..., lookup:B: checked against ``ar-loop``, their exact reference."""
+    return method.startswith("dflash") or method.partition(":")[0] == "lookup"
+
+
 def _ours(method: str) -> bool:
-    return method == "ar-loop" or method.startswith("dflash")
+    return method == "ar-loop" or speculates_on_our_loop(method)
 
 
 def mismatch_kind(r: Record, bf16: bool) -> str | None:
@@ -153,14 +158,13 @@ def mismatch_kind(r: Record, bf16: bool) -> str | None:
     kernels, whose multi-row bf16 results differ from the one-row steps of ``ar``. Those are
     "kernel"; a dflash output that differs from ``ar-loop`` is always a failure.
     """
-    dflash = r.method.startswith("dflash")
-    if dflash and r.identical_to_ar_loop is False:
+    if speculates_on_our_loop(r.method) and r.identical_to_ar_loop is False:
         return "failure"
     if r.method == "ar" or r.identical_to_ar is not False:
         return None
     if not bf16:
         return "failure"
-    shares_loop_rounding = r.method == "ar-loop" or (dflash and r.identical_to_ar_loop)
+    shares_loop_rounding = r.method == "ar-loop" or (speculates_on_our_loop(r.method) and r.identical_to_ar_loop)
     return "kernel" if shares_loop_rounding or not _ours(r.method) else "failure"
 
 
@@ -258,7 +262,7 @@ def _positions(records: list[Record]) -> str:
 
 
 def _describe_failure(r: Record) -> str:
-    if r.method.startswith("dflash") and r.identical_to_ar_loop is False:
+    if speculates_on_our_loop(r.method) and r.identical_to_ar_loop is False:
         return (f"`{r.method}` differs from `ar-loop` on {r.suite}/{r.prompt_id} turn {r.turn} at "
                 f"generated position {r.first_diff_ar_loop}")
     return (f"`{r.method}` differs from `ar` on {r.suite}/{r.prompt_id} turn {r.turn} at generated "
@@ -345,7 +349,7 @@ def paired_comparison(records: list[Record], first: str, second: str, resamples:
 def paired_tables(records: list[Record], methods: list[str]) -> tuple[dict, str]:
     """The first of our drafting methods against each other one (an adaptive block size
     against fixed sizes, say), as summary entries and Markdown."""
-    ours = [m for m in methods if m.startswith("dflash")]
+    ours = [m for m in methods if speculates_on_our_loop(m)]
     entries, md = {}, []
     for other in ours[1:]:
         comp = paired_comparison(records, ours[0], other)

@@ -157,13 +157,13 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
     monkeypatch.setattr("dflashkit.bench.load_suite", lambda s, n, seed: prompts[s])
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))   # dflash:auto's cost curve
     methods = make_methods(["ar", "ar-loop", "dflash", "dflash:2", "dflash:auto", "prompt-lookup",
-                            "assisted:tiny"], target, drafter,
+                            "assisted:tiny", "dflash+lookup", "lookup:3"], target, drafter,
                            block_size=4, load_assistant=lambda name: assistant)
     report = run_bench(target, methods, ["humaneval", "mtbench"], 1, 12, SamplingConfig(), 0, tmp_path,
                        {"target": "tiny"}, progress=False)
     assert report["lossless"], "a method differs from ar at temperature 0"
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
-    assert len(lines) == 7 * 4                      # 7 methods x (1 + 1 + 2 turns)
+    assert len(lines) == 9 * 4                      # 9 methods x (1 + 1 + 2 turns)
     assert {json.loads(x)["method"] for x in lines} == set(methods)
     rows = [json.loads(x) for x in lines]
     for row in rows:                                # every line checked and with its metrics
@@ -180,7 +180,7 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
     checked = [json.loads(x) for x in lines if json.loads(x)["method"] not in ("ar", "ar-loop")]
     assert all(r["identical_to_ar_loop"] is True for r in checked)
     md = (tmp_path / "report.md").read_text()
-    assert "20 of 20 outputs identical" in md
+    assert "28 of 28 outputs identical" in md
     assert "### mtbench" in md and "| dflash:auto | 2 |" in md and "TTFT" in md   # both turns counted
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
         make_methods(["ar", "dflash:zero"], target, drafter)

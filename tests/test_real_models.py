@@ -87,6 +87,20 @@ def test_fast_path_equals_default_path_on_the_real_model(qwen):
     assert len(set(map(tuple, runs.values()))) == 1, runs
 
 
+def test_copying_from_the_context_is_lossless_on_the_real_model(qwen):
+    """The shipped drafter with context copies (and copies alone) give the target's own greedy
+    tokens; a coding answer repeats the prompt's names, so copies are verified and accepted."""
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.cli import shipped_drafter
+    drafter = load_drafter(shipped_drafter(QWEN))
+    ids = qwen.encode_prompt(PROMPT)
+    plain = speculative_generate(qwen, None, ids, max_new_tokens=64, block_size=1)
+    hybrid = speculative_generate(qwen, drafter, ids, max_new_tokens=64, block_size=8, lookup=True)
+    alone = speculative_generate(qwen, None, ids, max_new_tokens=64, block_size=8, lookup=True)
+    assert hybrid.tokens == plain.tokens and alone.tokens == plain.tokens
+    assert hybrid.stats.lookup_accepted > 0 and hybrid.stats.lookup_steps < len(hybrid.stats.acceptance_lengths)
+
+
 @pytest.mark.skipif(not bf16_fast(), reason="this CPU has no bf16 matrix arithmetic (AMX)")
 def test_bf16_fast_path_equals_its_plain_loop_on_the_real_model():
     """bf16 (opt-in): speculative output, alone and in a batch with holes, is exactly the
