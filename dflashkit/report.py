@@ -201,7 +201,9 @@ def summarize(records: list[Record], bf16: bool = False) -> dict:
             entry["tau"] = sum(lengths) / len(lengths)
             acc = [sum(x) for x in zip(*[r.slot_accepted for r in rs if r.slot_accepted])]
             dra = [sum(x) for x in zip(*[r.slot_drafted for r in rs if r.slot_drafted])]
-            entry["slot_acceptance"] = [a / d if d else 0.0 for a, d in zip(acc, dra)]
+            drafted = sum(1 for d in dra if d)   # slots beyond it were never drafted (copies
+            # alone, or an adaptive size that never went that far): no rate, rather than 0
+            entry["slot_acceptance"] = [a / d for a, d in zip(acc[:drafted], dra[:drafted])]
             entry["acceptance_histogram"] = {str(k): lengths.count(k) for k in range(1, max(lengths) + 1)}
         out.setdefault(suite, {})[method] = entry
     return out
