@@ -52,8 +52,8 @@ METHOD_FORMS = ("ar, ar-loop, dflash, dflash:B, dflash:auto, dflash+lookup[:B|:a
 
 def _split_method(name: str) -> tuple[str, str | None]:
     """``dflash+lookup:auto`` -> ("dflash+lookup", "auto"); ``lookup`` -> ("lookup", None)."""
-    base, _, spec = name.partition(":")
-    return base, (spec if _ else None)
+    base, sep, spec = name.partition(":")
+    return base, (spec if sep else None)
 
 
 def check_method_names(names: list[str]) -> None:
@@ -93,20 +93,21 @@ def make_methods(names: list[str], target: Target, drafter=None, block_size: int
     if drafter is not None and not isinstance(drafter, DFlashProposer):
         drafter = DFlashProposer(drafter, target)   # validate and prepare its LM head once
     for name in names:
+        base, spec = _split_method(name)
         if name == "ar":
             methods[name] = lambda ids, n, s, stops: _from_hf(hf_generate(target, ids, n, s, stops))
         elif name == "ar-loop":
             methods[name] = lambda ids, n, s, stops: _from_loop(
                 speculative_generate(target, None, ids, n, s, stops, block_size=1))
-        elif _split_method(name)[0] in ("dflash", "dflash+lookup"):
+        elif base in ("dflash", "dflash+lookup"):
             if drafter is None:
                 raise ValueError(f"method {name} needs a drafter (--drafter DIR)")
             size = _dflash_block_size(name, block_size, drafter, target)
-            copy = _split_method(name)[0] == "dflash+lookup"
+            copy = base == "dflash+lookup"
             methods[name] = lambda ids, n, s, stops, b=size, c=copy: _from_loop(
                 speculative_generate(target, drafter, ids, n, s, stops, block_size=b, lookup=c))
-        elif _split_method(name)[0] == "lookup":
-            size = int(_split_method(name)[1] or (drafter.drafter.block_size if drafter is not None else 8))
+        elif base == "lookup":
+            size = int(spec or (drafter.drafter.block_size if drafter is not None else 8))
             methods[name] = lambda ids, n, s, stops, b=size: _from_loop(
                 speculative_generate(target, None, ids, n, s, stops, block_size=b, lookup=True))
         elif name == "prompt-lookup":
