@@ -389,6 +389,39 @@ def warm_start_from_target(drafter: DFlashDrafter, read) -> list[int]:
     return sources
 
 
+def warm_start_from_drafter(drafter: DFlashDrafter, source: DFlashDrafter) -> int:
+    """Grow a trained drafter: start from ``source`` and add layers that change nothing yet.
+
+    ``fc``, the norms and the first ``source`` layers are copied; each layer beyond the
+    source's depth keeps its random init except its two output projections (attention
+    ``o_proj`` and MLP ``down_proj``), which start at zero, so the layer adds nothing to the
+    residual stream and the grown drafter's logits are exactly the source's. Training then
+    starts where the source ended instead of from noise, and the new layers, whose queries
+    carry the layers below (with one layer every MASK query is the same embedding), learn
+    what the source could not. Returns the number of copied layers.
+    """
+    have, want = source.config, drafter.config
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "target_layer_ids", "mask_token_id", "vocab_size"):
+        if getattr(have, name) != getattr(want, name):
+            raise ValueError(f"drafter.init: the source drafter's {name} is {getattr(have, name)!r} but "
+                             f"this config's is {getattr(want, name)!r}; a drafter can only grow in depth")
+    n = have.num_hidden_layers
+    if n > want.num_hidden_layers:
+        raise ValueError(f"drafter.init: the source drafter has {n} layers, more than this config's "
+                         f"drafter.num_layers ({want.num_hidden_layers}); a drafter can only grow")
+    with torch.no_grad():
+        for mine, theirs in ((drafter.fc, source.fc), (drafter.hidden_norm, source.hidden_norm),
+                             (drafter.norm, source.norm)):
+            mine.weight.copy_(theirs.weight)
+        for i in range(n):
+            drafter.layers[i].load_state_dict(source.layers[i].state_dict())
+        for layer in drafter.layers[n:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return n
+
+
 def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
     """A freshly (seeded, reproducibly) initialised drafter, marked untrained in its config."""
     cfg = replace(cfg, extra={**cfg.extra, "dflashkit": {"trained": False, "init_seed": seed}})

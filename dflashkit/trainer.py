@@ -38,8 +38,10 @@ class DrafterSpec:
     intermediate_size: int | None = None
     target_layer_ids: list[int] | None = None   # default: every layer stored in the data
     mask_token_id: int | None = None
-    # "random" (seeded normal init) or "target": start from the target's layers above the
-    # highest feature layer (drafter.warm_start_from_target says what is copied and why)
+    # "random" (seeded normal init); "target": start from the target's layers above the
+    # highest feature layer (drafter.warm_start_from_target says what is copied and why); or the
+    # folder of a trained drafter to grow: its layers first, extra layers starting as the
+    # identity (drafter.warm_start_from_drafter)
     init: str = "random"
 
 
@@ -209,7 +211,13 @@ class Trainer:
             from .target import read_target_tensors
             warm_start_from_target(self.drafter, lambda names: read_target_tensors(target_name, names))
         elif drafter_spec.init != "random":
-            raise ValueError(f"drafter.init must be 'random' or 'target', got {drafter_spec.init!r}")
+            source = Path(drafter_spec.init)
+            if not (source / "config.json").exists():
+                raise ValueError(f"drafter.init must be 'random', 'target' or the folder of a trained "
+                                 f"drafter (with config.json), got {drafter_spec.init!r}")
+            from .checkpoint import load_drafter
+            from .drafter import warm_start_from_drafter
+            warm_start_from_drafter(self.drafter, load_drafter(source))
         self.gamma = cfg.gamma or default_gamma(dcfg.block_size)
         vocab = self.head.num_embeddings
         if cfg.draft_vocab == "data":

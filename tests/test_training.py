@@ -375,6 +375,52 @@ def test_a_drafter_warm_started_from_the_target_projects_the_targets_own_context
         Trainer(typo.target, typo.data_dir, typo.train_dir, typo.drafter, typo.train, progress=False)
 
 
+def test_a_grown_drafter_starts_exactly_where_its_source_ended_and_then_learns(tiny_run):
+    """drafter.init: FOLDER grows a trained drafter in depth: the copied layer and the new,
+    identity-started one give the source's logits exactly; training then moves the new layer."""
+    from dflashkit.checkpoint import load_drafter, save_drafter
+    from dflashkit.drafter import warm_start_from_drafter
+    from dflashkit.objective import build_blocks, dflash_loss, sample_anchors
+    from dflashkit.pipeline import load_config
+    from dflashkit.trainer import Trainer
+    root, target = tiny_run
+    _, small = _logged_losses(root, "grow-source", max_steps=3)
+    source_dir = save_drafter(small.drafter, root / "grow-source-drafter")
+    source = load_drafter(source_dir)
+    cfg = load_config(_config(root, "grow", drafter={"num_layers": 3, "init": str(source_dir)}, max_steps=2))
+    trainer = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
+    grown = trainer.drafter
+    assert len(grown.layers) == 3
+    assert torch.equal(grown.layers[0].mlp.up_proj.weight, source.layers[0].mlp.up_proj.weight)
+    record = trainer.train_records[0]
+    ids = torch.tensor([record["input_ids"]])
+    lm = torch.zeros_like(ids)
+    lm[0, record["prompt_len"]:] = 1
+    blocks = build_blocks(ids, lm, [sample_anchors(lm[0], 4, torch.Generator().manual_seed(0))],
+                          4, MASK, 2.0)
+    feats = target.forward(ids, 0, None, capture=LAYERS).features
+    head = target.lm_head.weight
+    with torch.no_grad():
+        before = [dflash_loss(d, target.embed, head, None, feats, blocks).weighted_ce_sum for d in (source, grown)]
+    assert before[0] == pytest.approx(before[1], rel=1e-6)
+    new_layer = grown.layers[2].self_attn.o_proj.weight
+    assert not new_layer.any()
+    trainer.fit()
+    assert trainer.drafter.layers[2].self_attn.o_proj.weight.any()   # the new layer learned
+    # a drafter can only grow in depth, never change width or conditioning
+    wide = init_drafter(replace(source.config, intermediate_size=source.config.intermediate_size * 2))
+    with pytest.raises(ValueError, match="intermediate_size"):
+        warm_start_from_drafter(wide, source)
+    shallow = init_drafter(replace(source.config, num_hidden_layers=1))
+    deep = init_drafter(replace(source.config, num_hidden_layers=2))
+    with pytest.raises(ValueError, match="can only grow"):
+        warm_start_from_drafter(shallow, deep)
+    missing = load_config(_config(root, "grow-missing", drafter={"init": str(root / "nowhere")}))
+    with pytest.raises(ValueError, match="folder of a trained drafter"):
+        Trainer(missing.target, missing.data_dir, missing.train_dir, missing.drafter, missing.train,
+                progress=False)
+
+
 def _logged_losses(root: Path, name: str, **train):
     """Train the tiny run in-process; returns (losses from log.csv, the trainer)."""
     from dflashkit.pipeline import load_config
