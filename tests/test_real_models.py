@@ -137,3 +137,26 @@ def test_warm_start_from_the_real_target_reads_its_layers_by_name(qwen):
     torch.testing.assert_close(context, expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="no tensor named"):
         read_target_tensors(QWEN, ["model.layers.99.mlp.up_proj.weight"])
+
+
+def test_teacher_forced_walk_reproduces_decodings_acceptance_on_the_real_model(qwen):
+    """tfeval: one target forward over the greedy answer and one training-path drafter pass
+    give, walked the way decoding walks, the acceptance lengths decoding reports."""
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.cli import shipped_drafter
+    from dflashkit.tfeval import acceptance_profile, greedy_walk, leading_accepted
+    drafter = load_drafter(shipped_drafter(QWEN))
+    ids = qwen.encode_prompt(PROMPT)
+    res = speculative_generate(qwen, drafter, ids, max_new_tokens=64, block_size=8, stop_token_ids=[])
+    seq = torch.tensor(ids + res.tokens)
+    feats = qwen.forward(seq[None], 0, None, capture=drafter.target_layer_ids, last_only=True).features
+    head, index = qwen.lm_head.weight[drafter.draft_vocab], torch.full((qwen.num_embeddings,), -1)
+    index[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel())
+    anchors, leading, _, _ = leading_accepted(drafter, qwen.embed, head, seq, len(ids), feats, 8, index)
+    walk = [n + 1 for n in greedy_walk(anchors, leading)]
+    lengths = res.stats.acceptance_lengths
+    assert sum(lengths) == 63 and max(lengths) > 1   # the prefill commits the first token
+    # decoding's last step is cut at max_new_tokens; every step before it agrees exactly
+    assert walk[:len(lengths) - 1] == lengths[:-1]
+    profile = acceptance_profile(drafter, qwen, [(seq, len(ids))], [feats])
+    assert profile.walk_steps >= len(lengths) - 1 and profile.tau_every_position >= 1.0
