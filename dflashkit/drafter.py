@@ -399,9 +399,18 @@ def warm_start_from_drafter(drafter: DFlashDrafter, source: DFlashDrafter) -> in
     starts where the source ended instead of from noise, and the new layers, whose queries
     carry the layers below (with one layer every MASK query is the same embedding), learn
     what the source could not. Returns the number of copied layers.
+
+    A narrower ``intermediate_size`` than the source's (to keep a deeper drafter within a size
+    budget) keeps, in each copied MLP, the hidden units with the largest
+    ``|gate_u| * |up_u| * |down_u|`` (weight norms): the drafter then starts close to the
+    source instead of exactly on it.
     """
     have, want = source.config, drafter.config
-    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    if want.intermediate_size > have.intermediate_size:
+        raise ValueError(f"drafter.init: the source drafter's intermediate_size is "
+                         f"{have.intermediate_size}; a grown drafter may be narrower, not wider "
+                         f"(got {want.intermediate_size})")
+    for name in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "target_layer_ids", "mask_token_id", "vocab_size"):
         if getattr(have, name) != getattr(want, name):
             raise ValueError(f"drafter.init: the source drafter's {name} is {getattr(have, name)!r} but "
@@ -415,7 +424,16 @@ def warm_start_from_drafter(drafter: DFlashDrafter, source: DFlashDrafter) -> in
                              (drafter.norm, source.norm)):
             mine.weight.copy_(theirs.weight)
         for i in range(n):
-            drafter.layers[i].load_state_dict(source.layers[i].state_dict())
+            state = source.layers[i].state_dict()
+            if want.intermediate_size < have.intermediate_size:
+                mlp = source.layers[i].mlp
+                score = (mlp.gate_proj.weight.norm(dim=1) * mlp.up_proj.weight.norm(dim=1)
+                         * mlp.down_proj.weight.norm(dim=0))
+                keep = score.topk(want.intermediate_size).indices.sort().values
+                for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+                    state[name] = state[name][keep]
+                state["mlp.down_proj.weight"] = state["mlp.down_proj.weight"][:, keep]
+            drafter.layers[i].load_state_dict(state)
         for layer in drafter.layers[n:]:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()

@@ -409,8 +409,20 @@ def test_a_grown_drafter_starts_exactly_where_its_source_ended_and_then_learns(t
     assert trainer.drafter.layers[2].self_attn.o_proj.weight.any()   # the new layer learned
     # a drafter can only grow in depth, never change width or conditioning
     wide = init_drafter(replace(source.config, intermediate_size=source.config.intermediate_size * 2))
-    with pytest.raises(ValueError, match="intermediate_size"):
+    with pytest.raises(ValueError, match="narrower, not wider"):
         warm_start_from_drafter(wide, source)
+    other_layers = init_drafter(replace(source.config, target_layer_ids=[0, 2]))
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        warm_start_from_drafter(other_layers, source)
+    # narrower: the MLP units with the largest weight norms are kept, in order
+    width = source.config.intermediate_size
+    with torch.no_grad():
+        source.layers[0].mlp.down_proj.weight[:, : width // 2].mul_(1e-3)   # the weak half
+    narrow = init_drafter(replace(source.config, intermediate_size=width // 2, num_hidden_layers=2))
+    warm_start_from_drafter(narrow, source)
+    kept = source.layers[0].mlp.down_proj.weight[:, width // 2:]
+    assert torch.equal(narrow.layers[0].mlp.down_proj.weight, kept)
+    assert torch.equal(narrow.layers[0].mlp.up_proj.weight, source.layers[0].mlp.up_proj.weight[width // 2:])
     shallow = init_drafter(replace(source.config, num_hidden_layers=1))
     deep = init_drafter(replace(source.config, num_hidden_layers=2))
     with pytest.raises(ValueError, match="can only grow"):
