@@ -524,6 +524,9 @@ class Trainer:
         ] + [f"- {n} from {src}" for src, n in sorted(sources.items())] + [
             "",
             "## Recipe",
+            "- start: " + {"random": f"random init (seed {cfg.seed})",
+                           "target": "the target's own layers (drafter.init: target)"}.get(
+                self.spec.init, f"grown from the trained drafter {self.spec.init} (drafter.init)"),
             f"- {cfg.epochs} epochs = {self.total_steps} steps of {cfg.global_batch} sequences; "
             f"{cfg.num_anchors} anchors per sequence; gamma {self.gamma}; max length {cfg.max_length}",
             "- objective: "

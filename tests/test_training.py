@@ -407,6 +407,7 @@ def test_a_grown_drafter_starts_exactly_where_its_source_ended_and_then_learns(t
     assert not new_layer.any()
     trainer.fit()
     assert trainer.drafter.layers[2].self_attn.o_proj.weight.any()   # the new layer learned
+    assert f"grown from the trained drafter {source_dir}" in trainer.model_card()
     # a drafter can only grow in depth, never change width or conditioning
     wide = init_drafter(replace(source.config, intermediate_size=source.config.intermediate_size * 2))
     with pytest.raises(ValueError, match="narrower, not wider"):
