@@ -47,6 +47,13 @@ class Blocks:
     teacher_logp: torch.Tensor | None = None   # [b, N*B, k] their log-probs
 
 
+def vocabulary_index(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full token id -> row of a head restricted to the sorted ids ``vocab`` (-1: not in it)."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[vocab] = torch.arange(vocab.numel())
+    return index
+
+
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     """Positions p with loss_mask[p] and loss_mask[p+1] (1-D mask -> 1-D positions)."""
     m = loss_mask.bool()

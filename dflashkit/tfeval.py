@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafter import DFlashDrafter
-from .objective import anchor_candidates, build_blocks, default_gamma, dflash_loss
+from .objective import anchor_candidates, build_blocks, default_gamma, dflash_loss, vocabulary_index
 
 
 @dataclass
@@ -68,16 +68,21 @@ def leading_accepted(drafter: DFlashDrafter, embed, head_weight: torch.Tensor, i
     return anchors, out.leading_correct, out.slot_correct, out.slot_total
 
 
+def proposal_head(drafter: DFlashDrafter, target) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM-head rows the drafter proposes from, as decoding uses them (its draft vocabulary,
+    or all), and the id -> row index ``dflash_loss`` takes (None for the full head)."""
+    head = target.lm_head.weight
+    if drafter.draft_vocab is None:
+        return head, None
+    return head[drafter.draft_vocab], vocabulary_index(drafter.draft_vocab, target.num_embeddings)
+
+
 def acceptance_profile(drafter: DFlashDrafter, target, answers: list[tuple[torch.Tensor, int]],
                        features: list[torch.Tensor], block_size: int | None = None) -> AcceptanceProfile:
     """Teacher-forced acceptance of ``drafter`` over ``answers`` (``(ids, prompt_len)`` pairs)
     with their target ``features``; ``target`` gives the embedding and LM head."""
     B = block_size or drafter.block_size
-    head, index = target.lm_head.weight, None
-    if drafter.draft_vocab is not None:   # propose only from the drafter's vocabulary, as decoding does
-        head = head[drafter.draft_vocab]
-        index = torch.full((target.num_embeddings,), -1, dtype=torch.long)
-        index[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel())
+    head, index = proposal_head(drafter, target)
     correct, total, every, walked = torch.zeros(B), torch.zeros(B), [], []
     for (ids, prompt_len), f in zip(answers, features):
         anchors, leading, c, t = leading_accepted(drafter, target.embed, head, ids, prompt_len, f, B, index)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from .checkpoint import atomic_write, save_drafter
 from .drafter import DFlashDrafter, config_for_target, init_drafter, warm_start_from_target
 from .objective import (Blocks, build_blocks, default_gamma, dflash_loss,
-                        expected_acceptance_length, sample_anchors)
+                        expected_acceptance_length, sample_anchors, vocabulary_index)
 from .regenerate import FeatureStore, read_samples
 
 
@@ -240,8 +240,7 @@ class Trainer:
                                  f"per sample), or set train.distill: 0")
         if cfg.autocast not in ("float32", "bfloat16"):
             raise ValueError(f"train.autocast must be 'float32' or 'bfloat16', got {cfg.autocast!r}")
-        self.vocab_index = torch.full((vocab,), -1, dtype=torch.long)
-        self.vocab_index[self.vocab] = torch.arange(self.vocab.numel())
+        self.vocab_index = vocabulary_index(self.vocab, vocab)
         self.head_rows = head_weight[self.vocab].contiguous()
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay, eps=1e-8)

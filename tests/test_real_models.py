@@ -144,14 +144,13 @@ def test_teacher_forced_walk_reproduces_decodings_acceptance_on_the_real_model(q
     give, walked the way decoding walks, the acceptance lengths decoding reports."""
     from dflashkit.checkpoint import load_drafter
     from dflashkit.cli import shipped_drafter
-    from dflashkit.tfeval import acceptance_profile, greedy_walk, leading_accepted
+    from dflashkit.tfeval import acceptance_profile, greedy_walk, leading_accepted, proposal_head
     drafter = load_drafter(shipped_drafter(QWEN))
     ids = qwen.encode_prompt(PROMPT)
     res = speculative_generate(qwen, drafter, ids, max_new_tokens=64, block_size=8, stop_token_ids=[])
     seq = torch.tensor(ids + res.tokens)
     feats = qwen.forward(seq[None], 0, None, capture=drafter.target_layer_ids, last_only=True).features
-    head, index = qwen.lm_head.weight[drafter.draft_vocab], torch.full((qwen.num_embeddings,), -1)
-    index[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel())
+    head, index = proposal_head(drafter, qwen)
     anchors, leading, _, _ = leading_accepted(drafter, qwen.embed, head, seq, len(ids), feats, 8, index)
     walk = [n + 1 for n in greedy_walk(anchors, leading)]
     lengths = res.stats.acceptance_lengths
