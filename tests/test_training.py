@@ -434,6 +434,37 @@ def test_a_grown_drafter_starts_exactly_where_its_source_ended_and_then_learns(t
                 progress=False)
 
 
+def test_heldout_walk_is_tfevals_greedy_walk_and_a_new_log_column_survives_resume(tiny_run):
+    """The trainer's held-out greedy-walk tau is tfeval's (which equals decoding's), computed on
+    the held-out answers with the stored features; a log begun without the column gains it."""
+    from dflashkit.tfeval import acceptance_profile
+    from dflashkit.trainer import _sequence
+    root, target = tiny_run
+    _, trainer = _logged_losses(root, "walk", max_steps=3, heldout_walk_tokens=1000)
+    ev = trainer.evaluate()
+    trainer.drafter.draft_vocab = trainer.vocab
+    answers = [(_sequence(r, 1024)[0], r["prompt_len"]) for r in trainer.heldout_records]
+    feats = [trainer._features(r, ids) for r, (ids, _) in zip(trainer.heldout_records, answers)]
+    with torch.no_grad():
+        profile = acceptance_profile(trainer.drafter.eval(), target, answers, feats)
+    assert profile.walk_steps > 0 and ev["heldout_walk_tau"] == pytest.approx(profile.tau_greedy_walk)
+    # the cap keeps only the first answer tokens; 0 turns the walk off
+    trainer.cfg.heldout_walk_tokens = 0
+    assert math.isnan(trainer.evaluate()["heldout_walk_tau"])
+    # the log carries the column; a log written without it is rewritten under it on resume
+    log = root / "walk" / "train" / "log.csv"
+    header, *rows = log.read_text().splitlines()
+    assert "heldout_walk_tau" in header.split(",")
+    cols = header.split(",")
+    i = cols.index("heldout_walk_tau")
+    old = [",".join(c for j, c in enumerate(r.split(",")) if j != i) for r in [header] + rows]
+    log.write_text("\n".join(old) + "\n")
+    trainer._truncate_log(1)
+    header2, *rows2 = log.read_text().splitlines()
+    assert header2 == header and len(rows2) == 2
+    assert all(len(r.split(",")) == len(cols) for r in rows2)
+
+
 def _logged_losses(root: Path, name: str, **train):
     """Train the tiny run in-process; returns (losses from log.csv, the trainer)."""
     from dflashkit.pipeline import load_config
