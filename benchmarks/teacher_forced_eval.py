@@ -32,7 +32,7 @@ def load_any(path: str) -> DFlashDrafter:
     """A drafter folder, or a training checkpoint (``last.pt``) to judge a run while it trains."""
     if not path.endswith(".pt"):
         return load_drafter(path)
-    blob = torch.load(path, weights_only=False)
+    blob = torch.load(path, weights_only=False, map_location="cpu")
     drafter = DFlashDrafter(DrafterConfig(**blob["drafter_config"]))
     drafter.load_state_dict(blob["drafter"])
     drafter.draft_vocab = blob["vocab"]

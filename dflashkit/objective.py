@@ -46,6 +46,13 @@ class Blocks:
     teacher_ids: torch.Tensor | None = None    # [b, N*B, k] the target's top-k at each label (-1: none)
     teacher_logp: torch.Tensor | None = None   # [b, N*B, k] their log-probs
 
+    def to(self, device: torch.device | str) -> "Blocks":
+        """The same blocks on ``device`` (built on the CPU, trained on the drafter's device)."""
+        moved = {name: getattr(self, name) for name in ("anchors", "valid", "ids", "positions",
+                                                        "labels", "weights", "teacher_ids", "teacher_logp")}
+        moved = {k: v.to(device) if v is not None else None for k, v in moved.items()}
+        return Blocks(block_size=self.block_size, **moved)
+
 
 def vocabulary_index(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Full token id -> row of a head restricted to the sorted ids ``vocab`` (-1: not in it)."""
@@ -106,10 +113,11 @@ def block_attention_mask(blocks: Blocks, context_len: int) -> torch.Tensor:
     """
     b, N = blocks.anchors.shape
     B = blocks.block_size
-    j = torch.arange(context_len)
+    device = blocks.anchors.device
+    j = torch.arange(context_len, device=device)
     ctx = (j[None, None, :] < blocks.anchors[:, :, None]) & blocks.valid[:, :, None]   # [b, N, L]
     ctx = ctx[:, :, None, :].expand(b, N, B, context_len).reshape(b, N * B, context_len)
-    block_of = torch.arange(N * B) // B
+    block_of = torch.arange(N * B, device=device) // B
     same = block_of[:, None] == block_of[None, :]                                    # [NB, NB]
     blk = same[None] & blocks.valid.repeat_interleave(B, dim=1)[:, :, None]
     return torch.cat([ctx, blk], dim=-1)[:, None]
@@ -215,7 +223,7 @@ def dflash_loss(drafter: DFlashDrafter, embed: torch.nn.Module, head_weight: tor
     """
     b, L, _ = features.shape
     mask = flex_block_mask(blocks, L) if attention == "flex" else block_attention_mask(blocks, L)
-    ctx_pos = torch.arange(L).expand(b, L)
+    ctx_pos = torch.arange(L, device=features.device).expand(b, L)
     hidden = drafter(embed(blocks.ids), features, ctx_pos, blocks.positions, attn_mask=mask)
     labels, weights = blocks.labels, blocks.weights
     if vocab_index is not None:
@@ -238,15 +246,17 @@ def dflash_loss(drafter: DFlashDrafter, embed: torch.nn.Module, head_weight: tor
     loss = (per_row * w).sum() / (normaliser if normaliser is not None else max(wsum, 1e-9))
     # Per-slot accuracy and leading-correct counts (for the acceptance estimate).
     B = blocks.block_size
-    correct_all = torch.zeros(b * hidden.shape[1], dtype=torch.bool)
+    correct_all = torch.zeros(b * hidden.shape[1], dtype=torch.bool, device=hidden.device)
     correct_all[keep] = pred == y
     labelled = keep.reshape(b, -1, B)
     correct = correct_all.reshape(b, -1, B)
     slot_correct = (correct & labelled).sum((0, 1))
     slot_total = labelled.sum((0, 1))
     lead = (correct[..., 1:] & labelled[..., 1:]).long().cumprod(-1).sum(-1)[blocks.valid]
+    # the counts go back to the CPU, where callers add them up (the loss stays on the device)
     return LossOutput(loss=loss, weighted_ce_sum=float(total.detach()), weight_sum=wsum,
-                      slot_correct=slot_correct, slot_total=slot_total, leading_correct=lead,
+                      slot_correct=slot_correct.cpu(), slot_total=slot_total.cpu(),
+                      leading_correct=lead.cpu(),
                       num_queries=int(keep.sum()))
 
 

@@ -69,7 +69,10 @@ class TrainConfig:
     save_every: int = 20
     logits_chunk: int = 1024
     features: str = "stored"         # "stored" (from the data stage) or "online" (target forward)
-    attention: str = "auto"          # "sdpa" (dense mask), "flex" (BlockMask), auto: flex on GPU
+    attention: str = "auto"          # "sdpa" (dense mask), "flex" (BlockMask, CUDA only); auto: sdpa
+    # "auto": cuda (cuda:LOCAL_RANK under torchrun, NCCL) when torch sees a GPU, else the CPU
+    # (gloo); "cpu"; "cuda". Data and features stay on the CPU side and move per sequence.
+    device: str = "auto"
     threads: int | None = None
     max_steps: int | None = None     # stop early (tests); the schedule still spans all steps
     # "bfloat16": forward and backward under bf16 autocast (master weights and AdamW stay fp32);
@@ -87,12 +90,34 @@ CARD_START, CARD_END = "<!-- dflashkit train: generated -->", "<!-- /dflashkit t
 
 # --- distributed ---------------------------------------------------------------------------
 
-def init_distributed() -> tuple[int, int]:
-    """The process group of a torchrun job. The trainer keeps every tensor on the CPU (it has
-    no device placement yet), so the group is gloo even on a host with GPUs: NCCL would
-    refuse the CPU gradients."""
+def resolve_device(name: str) -> torch.device:
+    """The training device: one GPU per process (``cuda:LOCAL_RANK`` under torchrun) or the CPU."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"train.device must be auto, cpu or cuda, got {name!r}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("train.device: cuda, but torch sees no GPU (a CPU build of torch, or no "
+                         "driver); use train.device: cpu or auto")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s): start at "
+                         f"most one process per GPU (torchrun --nproc_per_node)")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def init_distributed(device: torch.device | None = None) -> tuple[int, int]:
+    """The process group of a torchrun job: NCCL when the trainer's tensors live on GPUs
+    (NCCL reduces device memory only), gloo when they live on the CPU."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        cuda = device is not None and device.type == "cuda"
+        if cuda:
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -162,7 +187,8 @@ class Trainer:
     def __init__(self, target_name: str, data_dir: str | Path, out_dir: str | Path,
                  drafter_spec: DrafterSpec, cfg: TrainConfig, progress: bool = True):
         from .target import load_target, load_target_head
-        self.rank, self.world = init_distributed()
+        self.device = resolve_device(cfg.device)
+        self.rank, self.world = init_distributed(self.device)
         if cfg.global_batch % self.world:
             # each sequence runs its own forward/backward (gradients accumulate over them), so a
             # step needs the same number of sequences on every process
@@ -174,12 +200,12 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         if cfg.attention not in ("auto", "sdpa", "flex"):
             raise ValueError(f"train.attention must be auto, sdpa or flex, got {cfg.attention!r}")
-        # training runs on the CPU (see init_distributed), where flex attention has no backward
-        # pass in this torch: auto is sdpa; flex is for the objective's GPU path (objective.py)
+        # auto is the dense mask + SDPA everywhere (one path, tested on both); flex attention
+        # has no backward pass on the CPU in this torch, so it is for CUDA only
         self.attention = "sdpa" if cfg.attention == "auto" else cfg.attention
-        if self.attention == "flex":
-            raise ValueError("train.attention: flex has no backward pass on CPU in this torch, and "
-                             "the trainer runs on the CPU; use sdpa (or auto)")
+        if self.attention == "flex" and self.device.type != "cuda":
+            raise ValueError("train.attention: flex has no backward pass on the CPU in this torch; "
+                             "use sdpa (or auto), or train on a GPU (train.device: cuda)")
         self.cfg, self.spec, self.progress = cfg, drafter_spec, progress and self.rank == 0
         self.data_dir, self.out_dir = Path(data_dir), Path(out_dir)
         meta_path = self.data_dir / "meta.json"
@@ -244,8 +270,15 @@ class Trainer:
                                  f"per sample), or set train.distill: 0")
         if cfg.autocast not in ("float32", "bfloat16"):
             raise ValueError(f"train.autocast must be 'float32' or 'bfloat16', got {cfg.autocast!r}")
-        self.vocab_index = vocabulary_index(self.vocab, vocab)
-        self.head_rows = head_weight[self.vocab].contiguous()
+        # everything a step touches lives on the device; records and stored features stay on
+        # the CPU and move one sequence at a time
+        self.drafter.to(self.device)
+        if cfg.features == "online":
+            self.target.model.to(self.device)
+        else:
+            self.head.embedding.to(self.device)
+        self.vocab_index = vocabulary_index(self.vocab, vocab).to(self.device)
+        self.head_rows = head_weight[self.vocab].contiguous().to(self.device)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay, eps=1e-8)
         self.steps_per_epoch = max(1, len(self.train_records) // cfg.global_batch)
@@ -270,7 +303,7 @@ class Trainer:
             t_ids, t_logp = sequence_distributions(self.teacher, record, ids.numel())
             at = blocks.positions[0].clamp(max=ids.numel() - 1)
             blocks.teacher_ids, blocks.teacher_logp = t_ids[at][None], t_logp[at][None]
-        return ids, blocks
+        return ids, blocks.to(self.device)
 
     def _weights_in_vocab(self, blocks: Blocks) -> float:
         return float((blocks.weights * (self.vocab_index[blocks.labels] >= 0)).sum())
@@ -279,15 +312,15 @@ class Trainer:
         L = ids.numel()
         if self.cfg.features == "online":
             # only the captured layers are wanted: logits for one position, not L x vocab
-            feats = self.target.forward(ids[None], 0, None, capture=self.drafter.target_layer_ids,
-                                        last_only=True).features
+            feats = self.target.forward(ids[None].to(self.device), 0, None,
+                                        capture=self.drafter.target_layer_ids, last_only=True).features
             return feats.clone()   # out of inference mode: autograd may save it (fc's input)
-        f = self.store.get(record).float()
+        f = self.store.get(record)
         H = self.head.hidden_size
         f = torch.cat([f[:, c * H:(c + 1) * H] for c in self.columns], dim=-1)
         if f.shape[0] < L:   # the final token never has features (it is never a context token)
             f = torch.cat([f, f.new_zeros(L - f.shape[0], f.shape[1])])
-        return f[:L][None]
+        return f[:L][None].to(self.device).float()
 
     def _plan(self, step: int) -> list[tuple[dict, torch.Tensor, Blocks]]:
         plan = []
@@ -328,10 +361,11 @@ class Trainer:
             total += out.slot_total
         params = [p for p in self.drafter.parameters()]
         if self.world > 1:
-            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
-                              for p in params])
+            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None
+                              else torch.zeros(p.numel(), device=p.device) for p in params])
             packed = torch.cat([flat, torch.tensor([stats["ce"], stats["w"], stats["tokens"],
-                                                    stats["blocks"]], dtype=flat.dtype), correct, total])
+                                                    stats["blocks"]], dtype=flat.dtype, device=flat.device),
+                                correct.to(flat.device), total.to(flat.device)])
             dist.all_reduce(packed)
             off = 0
             for p in params:
@@ -340,7 +374,7 @@ class Trainer:
                 p.grad = g.clone() if p.grad is None else p.grad.copy_(g)
                 off += n
             stats["ce"], stats["w"], stats["tokens"], stats["blocks"] = packed[off:off + 4].tolist()
-            correct, total = packed[off + 4:off + 4 + B], packed[off + 4 + B:]
+            correct, total = packed[off + 4:off + 4 + B].cpu(), packed[off + 4 + B:].cpu()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         lr = lr_at(step, self.total_steps, cfg)
         for group in self.optimizer.param_groups:
@@ -409,11 +443,13 @@ class Trainer:
     def try_resume(self) -> bool:
         if not self.ckpt_path.exists():
             return False
-        blob = torch.load(self.ckpt_path, weights_only=False)
+        blob = torch.load(self.ckpt_path, weights_only=False, map_location="cpu")
         # fields a later version dropped (micro_batch, which never changed a step) are not
-        # held against a checkpoint; max_steps may grow to train on
-        now = {k: v for k, v in asdict(self.cfg).items() if k != "max_steps"}
-        same = {k: v for k, v in blob["config"].items() if k in now} == now
+        # held against a checkpoint, nor fields it added while they keep their defaults;
+        # max_steps may grow to train on, and a run may move to another device
+        defaults = asdict(TrainConfig())
+        now = {k: v for k, v in asdict(self.cfg).items() if k not in ("max_steps", "device")}
+        same = all(blob["config"].get(k, defaults[k]) == v for k, v in now.items())
         if not same or blob["spec"] != asdict(self.spec):
             raise ValueError(f"{self.ckpt_path} was written by a different train/drafter config; "
                              f"move it away to start afresh, or restore the original config")

@@ -465,6 +465,64 @@ def test_heldout_walk_is_tfevals_greedy_walk_and_a_new_log_column_survives_resum
     assert all(len(r.split(",")) == len(cols) for r in rows2)
 
 
+def test_resume_refuses_another_recipe_and_accepts_a_checkpoint_from_before_new_fields(tiny_run):
+    """A checkpoint is resumed only under the recipe that wrote it; fields a later version added
+    count as their defaults (a checkpoint from before them resumes), and the device may change."""
+    from dflashkit.pipeline import load_config
+    from dflashkit.trainer import Trainer
+    root, _ = tiny_run
+    _logged_losses(root, "recipe", max_steps=2)
+    ckpt = root / "recipe" / "train" / "last.pt"
+    blob = torch.load(ckpt, weights_only=False)
+    for added in ("heldout_walk_tokens", "device"):
+        del blob["config"][added]
+    torch.save(blob, ckpt)
+    cfg = load_config(_config(root, "recipe", max_steps=3, device="cpu"))
+    trainer = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
+    assert trainer.try_resume() and trainer.state.step == 2
+    other = load_config(_config(root, "recipe", max_steps=3, lr=1e-2))
+    with pytest.raises(ValueError, match="different train/drafter config"):
+        Trainer(other.target, other.data_dir, other.train_dir, other.drafter, other.train,
+                progress=False).try_resume()
+
+
+def test_train_device_is_checked_before_anything_runs(tiny_run):
+    from dflashkit.pipeline import load_config
+    from dflashkit.trainer import Trainer, resolve_device
+    root, _ = tiny_run
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="train.device must be auto, cpu or cuda"):
+        resolve_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no GPU"):
+            resolve_device("cuda")
+    flex = load_config(_config(root, "flex-cpu", device="cpu", attention="flex"))
+    with pytest.raises(ValueError, match="flex has no backward pass on the CPU"):
+        Trainer(flex.target, flex.data_dir, flex.train_dir, flex.drafter, flex.train, progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda)")
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_training_on_a_gpu_follows_the_cpu(tiny_run, attention):
+    """train.device: cuda runs the same recipe: fp32 losses and weights follow the CPU run to
+    float tolerance (kernels differ), with the dense-mask and the flex-attention paths; the
+    held-out walk and the export come back to the CPU."""
+    root, _ = tiny_run
+    cpu, cpu_trainer = _logged_losses(root, f"cpu-ref-{attention}", device="cpu", max_steps=3)
+    gpu, gpu_trainer = _logged_losses(root, f"gpu-{attention}", device="cuda", attention=attention,
+                                      max_steps=3)
+    assert next(gpu_trainer.drafter.parameters()).is_cuda
+    assert gpu == pytest.approx(cpu, rel=1e-3)
+    a, b = cpu_trainer.drafter.state_dict(), gpu_trainer.drafter.state_dict()
+    for k in a:
+        torch.testing.assert_close(b[k].cpu(), a[k], atol=1e-4, rtol=1e-3)
+    ev_cpu, ev_gpu = cpu_trainer.evaluate(), gpu_trainer.evaluate()
+    assert ev_gpu["heldout_loss"] == pytest.approx(ev_cpu["heldout_loss"], rel=1e-3)
+    out = gpu_trainer.export(root / f"gpu-{attention}" / "drafter")
+    assert (out / "model.safetensors").exists()
+
+
 def _logged_losses(root: Path, name: str, **train):
     """Train the tiny run in-process; returns (losses from log.csv, the trainer)."""
     from dflashkit.pipeline import load_config
