@@ -562,6 +562,11 @@ class Trainer:
             atomic_write(card, lambda tmp: Path(tmp).write_text(text))
         return out
 
+    def _hardware(self) -> str:
+        if self.device.type == "cuda":
+            return f"{self.world} x {torch.cuda.get_device_name(self.device)}"
+        return f"{os.cpu_count()} CPU cores" + (f", {self.world} processes" if self.world > 1 else "")
+
     def model_card(self) -> str:
         """Data, recipe and training time; measured decoding results are added after a bench."""
         from collections import Counter
@@ -603,7 +608,7 @@ class Trainer:
             f"- features: {cfg.features}; attention: {self.attention}; arithmetic: "
             f"{'bf16 autocast, fp32 master weights' if cfg.autocast == 'bfloat16' else 'fp32'}",
             f"- training time on this machine: {self.state.elapsed_s / 60:.1f} min "
-            f"({os.cpu_count()} CPU cores)",
+            f"({self._hardware()})",
             "",
         ]
         last = None

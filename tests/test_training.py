@@ -451,6 +451,8 @@ def test_heldout_walk_is_tfevals_greedy_walk_and_a_new_log_column_survives_resum
     # the cap keeps only the first answer tokens; 0 turns the walk off
     trainer.cfg.heldout_walk_tokens = 0
     assert math.isnan(trainer.evaluate()["heldout_walk_tau"])
+    card = trainer.model_card()
+    assert "along greedy decoding's walk" in card and "CPU cores" in card
     # the log carries the column; a log written without it is rewritten under it on resume
     log = root / "walk" / "train" / "log.csv"
     header, *rows = log.read_text().splitlines()
@@ -521,6 +523,7 @@ def test_training_on_a_gpu_follows_the_cpu(tiny_run, attention):
     assert ev_gpu["heldout_loss"] == pytest.approx(ev_cpu["heldout_loss"], rel=1e-3)
     out = gpu_trainer.export(root / f"gpu-{attention}" / "drafter")
     assert (out / "model.safetensors").exists()
+    assert torch.cuda.get_device_name() in (out / "README.md").read_text()
 
 
 def _logged_losses(root: Path, name: str, **train):
