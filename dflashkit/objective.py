@@ -17,7 +17,7 @@ tokens the drafter can propose; teacher.py): ``(1 - distill) * CE(label) + disti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +48,8 @@ class Blocks:
 
     def to(self, device: torch.device | str) -> "Blocks":
         """The same blocks on ``device`` (built on the CPU, trained on the drafter's device)."""
-        moved = {name: getattr(self, name) for name in ("anchors", "valid", "ids", "positions",
-                                                        "labels", "weights", "teacher_ids", "teacher_logp")}
-        moved = {k: v.to(device) if v is not None else None for k, v in moved.items()}
-        return Blocks(block_size=self.block_size, **moved)
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def vocabulary_index(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -113,8 +113,7 @@ def init_distributed(device: torch.device | None = None) -> tuple[int, int]:
     """The process group of a torchrun job: NCCL when the trainer's tensors live on GPUs
     (NCCL reduces device memory only), gloo when they live on the CPU."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        cuda = device is not None and device.type == "cuda"
-        if cuda:
+        if device is not None and device.type == "cuda":
             dist.init_process_group("nccl", device_id=device)
         else:
             dist.init_process_group("gloo")
