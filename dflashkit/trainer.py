@@ -236,6 +236,7 @@ class Trainer:
                                  mask_token_id=drafter_spec.mask_token_id,
                                  intermediate_size=drafter_spec.intermediate_size)
         self.drafter: DFlashDrafter = init_drafter(dcfg, seed=cfg.seed).train()
+        self.init_source_layers: int | None = None   # depth of a drafter.init FOLDER (model card)
         if drafter_spec.init == "target":
             from .target import read_target_tensors
             warm_start_from_target(self.drafter, lambda names: read_target_tensors(target_name, names))
@@ -246,7 +247,9 @@ class Trainer:
                                  f"drafter (with config.json), got {drafter_spec.init!r}")
             from .checkpoint import load_drafter
             from .drafter import warm_start_from_drafter
-            warm_start_from_drafter(self.drafter, load_drafter(source))
+            source_drafter = load_drafter(source)
+            warm_start_from_drafter(self.drafter, source_drafter)
+            self.init_source_layers = source_drafter.config.num_hidden_layers
         self.gamma = cfg.gamma or default_gamma(dcfg.block_size)
         vocab = self.head.num_embeddings
         if cfg.draft_vocab == "data":
@@ -566,6 +569,14 @@ class Trainer:
             return f"{self.world} x {torch.cuda.get_device_name(self.device)}"
         return f"{os.cpu_count()} CPU cores" + (f", {self.world} processes" if self.world > 1 else "")
 
+    def _init_source_line(self) -> str:
+        """How a drafter.init FOLDER started this run: grown in depth, or continued as it was."""
+        depth = len(self.drafter.layers)
+        if self.init_source_layers == depth:
+            return f"continued from the trained drafter {self.spec.init} (drafter.init, same depth)"
+        return (f"grown from the trained drafter {self.spec.init} (drafter.init, "
+                f"{self.init_source_layers} -> {depth} layers)")
+
     def model_card(self) -> str:
         """Data, recipe and training time; measured decoding results are added after a bench."""
         from collections import Counter
@@ -595,7 +606,7 @@ class Trainer:
             "## Recipe",
             "- start: " + {"random": f"random init (seed {cfg.seed})",
                            "target": "the target's own layers (drafter.init: target)"}.get(
-                self.spec.init, f"grown from the trained drafter {self.spec.init} (drafter.init)"),
+                self.spec.init, self._init_source_line()),
             f"- {cfg.epochs} epochs = {self.total_steps} steps of {cfg.global_batch} sequences; "
             f"{cfg.num_anchors} anchors per sequence; gamma {self.gamma}; max length {cfg.max_length}",
             "- objective: "

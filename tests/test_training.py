@@ -407,7 +407,10 @@ def test_a_grown_drafter_starts_exactly_where_its_source_ended_and_then_learns(t
     assert not new_layer.any()
     trainer.fit()
     assert trainer.drafter.layers[2].self_attn.o_proj.weight.any()   # the new layer learned
-    assert f"grown from the trained drafter {source_dir}" in trainer.model_card()
+    assert f"grown from the trained drafter {source_dir} (drafter.init, 1 -> 3 layers)" in trainer.model_card()
+    same = load_config(_config(root, "continue", drafter={"num_layers": 1, "init": str(source_dir)}, max_steps=1))
+    continued = Trainer(same.target, same.data_dir, same.train_dir, same.drafter, same.train, progress=False)
+    assert f"continued from the trained drafter {source_dir} (drafter.init, same depth)" in continued.model_card()
     # a drafter can only grow in depth, never change width or conditioning
     wide = init_drafter(replace(source.config, intermediate_size=source.config.intermediate_size * 2))
     with pytest.raises(ValueError, match="narrower, not wider"):
