@@ -569,8 +569,13 @@ class Trainer:
             return f"{self.world} x {torch.cuda.get_device_name(self.device)}"
         return f"{os.cpu_count()} CPU cores" + (f", {self.world} processes" if self.world > 1 else "")
 
-    def _init_source_line(self) -> str:
-        """How a drafter.init FOLDER started this run: grown in depth, or continued as it was."""
+    def _start_line(self) -> str:
+        """Where the drafter's weights started: noise, the target, or a trained drafter (grown in
+        depth, or continued as it was)."""
+        if self.spec.init == "random":
+            return f"random init (seed {self.cfg.seed})"
+        if self.spec.init == "target":
+            return "the target's own layers (drafter.init: target)"
         depth = len(self.drafter.layers)
         if self.init_source_layers == depth:
             return f"continued from the trained drafter {self.spec.init} (drafter.init, same depth)"
@@ -604,9 +609,7 @@ class Trainer:
         ] + [f"- {n} from {src}" for src, n in sorted(sources.items())] + [
             "",
             "## Recipe",
-            "- start: " + {"random": f"random init (seed {cfg.seed})",
-                           "target": "the target's own layers (drafter.init: target)"}.get(
-                self.spec.init, self._init_source_line()),
+            "- start: " + self._start_line(),
             f"- {cfg.epochs} epochs = {self.total_steps} steps of {cfg.global_batch} sequences; "
             f"{cfg.num_anchors} anchors per sequence; gamma {self.gamma}; max length {cfg.max_length}",
             "- objective: "
