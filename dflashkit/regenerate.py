@@ -64,20 +64,25 @@ class DataConfig:
     # the folder's feature store when that holds the same layers made in the same dtype, and
     # otherwise cost one forward pass over the whole sequence (~15x less target time than a
     # token-by-token generation).
-    import_samples: str | None = None
+    # A list of such sources imports from each (an archive and the archives that grew it).
+    import_samples: str | list[str] | None = None
     # generate nothing: the mix's prompts that import_samples lacks are left out (a quick data
     # set from earlier samples, for experiments)
     import_only: bool = False
+    # Samples (same kinds of source as import_samples) whose prompts this stage skips: it makes
+    # only the mix's OTHER samples, e.g. to grow a committed archive by a new part without
+    # recomputing what the archive already holds.
+    exclude_samples: str | list[str] | None = None
 
 
 # what changes the samples (out_dir does not; batch size changes only kernel rounding, where two
 # logits tie, as a thread count does)
 DATA_KEYS = ("num_code", "num_math", "num_chat", "num_docs", "seed", "max_prompt_tokens",
              "max_new_tokens", "feature_layers", "store_features", "teacher_top_k", "dtype",
-             "import_samples", "import_only")
+             "import_samples", "import_only", "exclude_samples")
 
 
-DATA_DEFAULTS = {"import_samples": None, "import_only": False}   # keys added later: folders made before lack them
+DATA_DEFAULTS = {"import_samples": None, "import_only": False, "exclude_samples": None}   # keys added later: folders made before lack them
 
 
 class DataMismatch(ValueError):
@@ -206,13 +211,14 @@ def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, s
 def _replay_batch(target: Target, samples: list[tuple[list[int], list[int], dict]], cfg: DataConfig,
                   stored: FeatureStore | None = None):
     """Features (and teacher top-k) of samples whose response already exists: copied from
-    ``stored`` (the imported folder's features) when there are no teacher distributions to
+    the record's ``store`` (or ``stored``: the imported folder's features) when there are no teacher distributions to
     make, else one forward pass over each whole sequence; rows as ``_generate_batch``."""
     layers = cfg.feature_layers if cfg.store_features else []
     rows = []
     for prompt, response, old in samples:
-        if stored is not None and old.get("shard") and not cfg.teacher_top_k:
-            f = stored.get(old)[:len(prompt) + len(response) - 1].clone()
+        store = old.get("store", stored)
+        if store is not None and old.get("shard") and not cfg.teacher_top_k:
+            f = store.get(old)[:len(prompt) + len(response) - 1].clone()
             rows.append((response, f, None))
             continue
         ids = torch.tensor([prompt + response])
@@ -225,6 +231,13 @@ def _replay_batch(target: Target, samples: list[tuple[list[int], list[int], dict
     return rows
 
 
+def sources(value: str | list[str] | None) -> list[str]:
+    """``data.import_samples`` / ``data.exclude_samples`` as a list (one path, several, none)."""
+    if value is None:
+        return []
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+
+
 def read_import(path: str | Path) -> dict[str, dict]:
     """Samples by id from an earlier data stage: its folder, its JSONL, or a gzipped copy."""
     import gzip
@@ -232,7 +245,7 @@ def read_import(path: str | Path) -> dict[str, dict]:
     if path.is_dir():
         path = path / "samples.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"data.import_samples: {path} does not exist (the data folder of "
+        raise FileNotFoundError(f"data.import_samples / exclude_samples: {path} does not exist (the data folder of "
                                 f"an earlier data stage, its samples.jsonl, or a .gz archive)")
     opener = gzip.open if path.suffix == ".gz" else open
     out = {}
@@ -292,11 +305,15 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
     stops = target.stop_token_ids()
     if cfg.import_only and not cfg.import_samples:
         raise ValueError("data.import_only needs data.import_samples (the samples to keep)")
-    imported = read_import(cfg.import_samples) if cfg.import_samples else {}
-    stored = reusable_features(cfg.import_samples, target.name, cfg) if cfg.import_samples else None
+    imported = {}
+    for source in sources(cfg.import_samples):
+        store = reusable_features(source, target.name, cfg)
+        for sid, rec in read_import(source).items():
+            imported.setdefault(sid, {**rec, "store": store})
+    excluded = {sid for source in sources(cfg.exclude_samples) for sid in read_import(source)}
     todo, replay, stale = [], [], []
     for p in prompts:
-        if p["id"] in done_ids:
+        if p["id"] in done_ids or p["id"] in excluded:
             continue
         ids = p.get("input_ids") or target.encode_prompt(p["messages"])
         if len(ids) > cfg.max_prompt_tokens:
@@ -353,7 +370,7 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
     with samples_path.open("a") as log:
         for b in range(0, len(replay), cfg.batch_size):
             batch = replay[b:b + cfg.batch_size]
-            rows = _replay_batch(target, [(ids, resp, old) for _, ids, resp, old in batch], cfg, stored)
+            rows = _replay_batch(target, [(ids, resp, old) for _, ids, resp, old in batch], cfg)
             write([(p, ids) for p, ids, _, _ in batch], rows)
         window = cfg.batch_size * 4  # sort a small window by length: less padding, same mix
         with target.batched_attention():

@@ -237,6 +237,7 @@ class Trainer:
                                  intermediate_size=drafter_spec.intermediate_size)
         self.drafter: DFlashDrafter = init_drafter(dcfg, seed=cfg.seed).train()
         self.init_source_layers: int | None = None   # depth of a drafter.init FOLDER (model card)
+        init_vocab = None                            # that folder's proposal vocabulary, if any
         if drafter_spec.init == "target":
             from .target import read_target_tensors
             warm_start_from_target(self.drafter, lambda names: read_target_tensors(target_name, names))
@@ -247,13 +248,17 @@ class Trainer:
                                  f"drafter (with config.json), got {drafter_spec.init!r}")
             from .checkpoint import load_drafter
             from .drafter import warm_start_from_drafter
+            from .checkpoint import load_draft_vocab
             source_drafter = load_drafter(source)
             warm_start_from_drafter(self.drafter, source_drafter)
             self.init_source_layers = source_drafter.config.num_hidden_layers
+            init_vocab = load_draft_vocab(source, source_drafter.config)
         self.gamma = cfg.gamma or default_gamma(dcfg.block_size)
         vocab = self.head.num_embeddings
         if cfg.draft_vocab == "data":
             self.vocab = draft_vocabulary(self.train_records, vocab)
+            if init_vocab is not None:   # continuing on new data never takes tokens away from it
+                self.vocab = torch.unique(torch.cat([self.vocab, init_vocab]))
         elif cfg.draft_vocab == "full":
             self.vocab = torch.arange(vocab)
         else:

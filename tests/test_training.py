@@ -124,23 +124,33 @@ def test_data_stage_resumes_without_duplicates(tiny_run, tmp_path, monkeypatch):
     assert sorted(ids) == sorted(f"p{i}" for i in range(10))
 
 
+def _gzipped_samples(data_dir: Path, path: Path) -> Path:
+    """A data folder's samples as a committed-style archive (``data/*.jsonl.gz``)."""
+    import gzip
+    with gzip.open(path, "wt") as f:
+        f.write((data_dir / "samples.jsonl").read_text())
+    return path
+
+
+def _record_generation(monkeypatch) -> list:
+    """The prompts the data stage generates for from now on (it still generates them)."""
+    import dflashkit.regenerate as regen
+    generated, real = [], regen._generate_batch
+    monkeypatch.setattr(regen, "_generate_batch",
+                        lambda t, ids, *a: generated.extend(ids) or real(t, ids, *a))
+    return generated
+
+
 def test_imported_samples_keep_their_responses_and_cost_one_forward(tiny_run, tmp_path, monkeypatch):
     """A data stage that imports an earlier one's samples (gzipped here) generates only the
     prompts that are new; imported samples keep their tokens exactly, and their features and
     teacher distributions equal what the generation pass kept (one forward over the sample)."""
-    import gzip
-    import dflashkit.regenerate as regen
     from dflashkit.regenerate import DataMismatch
     from dflashkit.teacher import TeacherStore
     root, target = tiny_run
     old_dir = root / "run" / "data"
-    archive = tmp_path / "old.jsonl.gz"
-    with gzip.open(archive, "wt") as f:
-        f.write((old_dir / "samples.jsonl").read_text())
-    generated = []
-    real = regen._generate_batch
-    monkeypatch.setattr(regen, "_generate_batch",
-                        lambda t, prompts, *a: generated.extend(prompts) or real(t, prompts, *a))
+    archive = _gzipped_samples(old_dir, tmp_path / "old.jsonl.gz")
+    generated = _record_generation(monkeypatch)
     cfg = DataConfig(out_dir=str(tmp_path / "data"), max_new_tokens=20, batch_size=4,
                      feature_layers=LAYERS, import_samples=str(archive))
     regenerate(target, _prompts(24), cfg, progress=False)
@@ -186,7 +196,6 @@ def test_an_imported_sample_whose_prompt_showed_a_memory_address_is_regenerated(
     """Prompts built before addresses were stripped (``<function g at 0x7f...>`` changes from
     process to process) are regenerated, or left out under import_only; any other difference
     in the prompt is still refused."""
-    import dflashkit.regenerate as regen
     from dflashkit.regenerate import DataMismatch
     root, target = tiny_run
     tok = _CharTokenizer()
@@ -201,10 +210,7 @@ def test_an_imported_sample_whose_prompt_showed_a_memory_address_is_regenerated(
                 r = {**r, "input_ids": old_prompt + r["input_ids"][r["prompt_len"]:], "prompt_len": len(old_prompt)}
             f.write(json.dumps(r) + "\n")
     prompts = [{**p, "input_ids": new_prompt} if p["id"] == "p0" else p for p in _prompts(20)]
-    generated = []
-    real = regen._generate_batch
-    monkeypatch.setattr(regen, "_generate_batch",
-                        lambda t, ids, *a: generated.extend(ids) or real(t, ids, *a))
+    generated = _record_generation(monkeypatch)
     cfg = DataConfig(out_dir=str(tmp_path / "data"), max_new_tokens=20, batch_size=4, feature_layers=LAYERS,
                      teacher_top_k=0, import_samples=str(archive))
     regenerate(target, prompts, cfg, progress=False)
@@ -255,6 +261,47 @@ def test_a_data_folder_imports_with_its_features_and_import_only_generates_nothi
     with pytest.raises(ValueError, match="import_only needs data.import_samples"):
         regenerate(target, _prompts(2), DataConfig(out_dir=str(tmp_path / "none"), feature_layers=LAYERS,
                                                    import_only=True), progress=False)
+
+
+def test_an_archive_grows_by_a_part_that_excludes_it_and_imports_as_a_list(tiny_run, tmp_path,
+                                                                          monkeypatch):
+    """exclude_samples makes only the prompts an archive lacks (nothing it holds is generated
+    or recomputed); import_samples takes a list, so the archive and its new part import
+    together, each sample's features copied from its own folder when they match."""
+    import dflashkit.regenerate as regen
+    root, target = tiny_run
+    old_dir = root / "run" / "data"
+    archive = _gzipped_samples(old_dir, tmp_path / "part1.jsonl.gz")
+    generated = _record_generation(monkeypatch)
+    grow = DataConfig(out_dir=str(tmp_path / "part2"), max_new_tokens=20, batch_size=4,
+                      feature_layers=LAYERS, teacher_top_k=0, exclude_samples=str(archive))
+    regenerate(target, _prompts(26), grow, progress=False)
+    part2 = read_samples(tmp_path / "part2")
+    assert sorted(r["id"] for r in part2) == [f"p{i}" for i in range(20, 26)]
+    assert sorted(map(tuple, generated)) == sorted(tuple(p["input_ids"]) for p in _prompts(26)[20:])
+    # Both parts together: no target pass at all (each folder's features are copied).
+    monkeypatch.setattr(regen, "_generate_batch", lambda *a: pytest.fail("import_only generated"))
+    passes = []
+    real_forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: passes.append(1) or real_forward(*a, **k))
+    both = DataConfig(out_dir=str(tmp_path / "both"), max_new_tokens=20, batch_size=4, feature_layers=LAYERS,
+                      teacher_top_k=0, import_samples=[str(old_dir), str(tmp_path / "part2")],
+                      import_only=True)
+    regenerate(target, _prompts(26), both, progress=False)
+    assert passes == []
+    got = {r["id"]: r for r in read_samples(tmp_path / "both")}
+    assert sorted(got) == sorted(f"p{i}" for i in range(26))
+    store = FeatureStore(tmp_path / "both")
+    for folder in (old_dir, tmp_path / "part2"):
+        for rec in read_samples(folder):
+            assert got[rec["id"]]["input_ids"] == rec["input_ids"]
+            assert torch.equal(store.get(got[rec["id"]]), FeatureStore(folder).get(rec))
+    # The list is part of the data fingerprint: a folder made from one part refuses two.
+    with pytest.raises(regen.DataMismatch, match="import_samples"):
+        regenerate(target, _prompts(26), replace(both, import_samples=[str(old_dir)]), progress=False)
+    with pytest.raises(FileNotFoundError, match="exclude_samples"):
+        regenerate(target, _prompts(2), DataConfig(out_dir=str(tmp_path / "none"), feature_layers=LAYERS,
+                   exclude_samples=str(tmp_path / "missing.jsonl.gz")), progress=False)
 
 
 def _config(root: Path, name: str, drafter: dict | None = None, **train) -> Path:
@@ -408,8 +455,14 @@ def test_a_grown_drafter_starts_exactly_where_its_source_ended_and_then_learns(t
     trainer.fit()
     assert trainer.drafter.layers[2].self_attn.o_proj.weight.any()   # the new layer learned
     assert f"grown from the trained drafter {source_dir} (drafter.init, 1 -> 3 layers)" in trainer.model_card()
+    # A continued drafter keeps every token its source could propose (new data never shrinks the
+    # proposal vocabulary), plus the tokens of its own data.
+    from dflashkit.checkpoint import save_draft_vocab
+    unseen = min(set(range(int(trainer.head.num_embeddings))) - set(small.vocab.tolist()))
+    save_draft_vocab(torch.tensor(sorted(small.vocab[::2].tolist() + [unseen])), source_dir)
     same = load_config(_config(root, "continue", drafter={"num_layers": 1, "init": str(source_dir)}, max_steps=1))
     continued = Trainer(same.target, same.data_dir, same.train_dir, same.drafter, same.train, progress=False)
+    assert continued.vocab.tolist() == sorted(set(small.vocab.tolist()) | {unseen})
     assert f"continued from the trained drafter {source_dir} (drafter.init, same depth)" in continued.model_card()
     # a drafter can only grow in depth, never change width or conditioning
     wide = init_drafter(replace(source.config, intermediate_size=source.config.intermediate_size * 2))
@@ -754,6 +807,8 @@ def test_every_committed_config_loads(path):
     from dflashkit.regenerate import DataConfig
     cfg = load_config(ROOT / path)
     assert isinstance(cfg.data, DataConfig) and cfg.target and cfg.run_dir
-    if cfg.data.import_samples:   # committed, or the data folder another committed config makes
-        made = {str(Path(load_config(p).run_dir) / "data") for p in (ROOT / "configs").rglob("*.yaml")}
-        assert (ROOT / cfg.data.import_samples).exists() or cfg.data.import_samples in made
+    from dflashkit.regenerate import sources
+    made = {str(Path(load_config(p).run_dir) / "data") for p in (ROOT / "configs").rglob("*.yaml")}
+    for source in sources(cfg.data.import_samples) + sources(cfg.data.exclude_samples):
+        # committed, or the data folder another committed config makes
+        assert (ROOT / source).exists() or source in made, source
