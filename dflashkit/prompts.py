@@ -229,6 +229,12 @@ def training_prompts(num_code: int, num_math: int, num_chat: int, seed: int = 0,
         if counts[kind] > len(pool):
             raise ValueError(f"asked for {counts[kind]} {kind} prompts, only {len(pool)} available")
         pools[kind] = pool[:counts[kind]]
+    return interleave(pools)
+
+
+def interleave(pools: dict[str, list]) -> list:
+    """The pools' items merged in proportion, each pool's order kept: any prefix of the result
+    holds about the same share of every pool as the whole does."""
     pools = {k: v for k, v in pools.items() if v}
     total = sum(len(p) for p in pools.values())
     out, taken = [], {k: 0 for k in pools}

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .checkpoint import atomic_write
-from .prompts import without_addresses
+from .prompts import interleave, without_addresses
 from transformers import DynamicCache
 
 from .shards import ShardReader, read_jsonl, repair_tail
@@ -289,6 +289,17 @@ def reusable_features(path: str | Path, target_name: str, cfg: DataConfig) -> Fe
     return FeatureStore(path) if same else None
 
 
+def _by_source_in_proportion(todo: list[tuple[dict, list[int]]]) -> list[tuple[dict, list[int]]]:
+    """The prompts left to generate, re-interleaved by source (``reasoning-gym:gcd`` counts as
+    ``reasoning-gym``). The mix is proportional over ALL its prompts, but what is left is not:
+    when an archive (import or exclude) already holds the first part of one pool, that pool's
+    new prompts would all come last, and a stage stopped early would lack them entirely."""
+    groups: dict[str, list] = {}
+    for item in todo:
+        groups.setdefault(item[0]["source"].split(":")[0], []).append(item)
+    return interleave(groups)
+
+
 def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: bool = True) -> Path:
     """Run (or resume) the data stage; returns the output folder."""
     out = Path(cfg.out_dir)
@@ -335,6 +346,7 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
                 todo.append((p, ids))
             continue
         replay.append((p, ids, old["input_ids"][len(ids):][:cfg.max_new_tokens], old))
+    todo = _by_source_in_proportion(todo)
     if stale:
         print(f"data: {len(stale)} imported samples were made from a prompt that showed a memory "
               f"address (e.g. {stale[0]}); they are {'left out' if cfg.import_only else 'regenerated'}",

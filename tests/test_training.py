@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from dflashkit.drafter import init_drafter, warm_start_from_target
@@ -631,6 +633,34 @@ def test_library_prompts_are_humaneval_shaped_and_extend_the_mix_without_changin
     assert {p["id"] for p in base} <= {p["id"] for p in more}
     docs = [p for p in more if p["kind"] == "docs"]
     assert len(docs) == 8 and len(more) == len(base) + 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 15), min_size=1, max_size=5))
+def test_interleave_keeps_each_pools_order_and_every_prefix_in_proportion(sizes):
+    from dflashkit.prompts import interleave
+    pools = {f"pool{i}": [(i, j) for j in range(n)] for i, n in enumerate(sizes)}
+    out = interleave(pools)
+    total, used = sum(sizes), sum(n > 0 for n in sizes)
+    assert sorted(out) == sorted(x for pool in pools.values() for x in pool)
+    for i, n in enumerate(sizes):
+        assert [x for x in out if x[0] == i] == pools[f"pool{i}"]           # each pool's order
+        # Item j of a pool of n is due at (j + 1) / n and items go in due order, so a prefix
+        # holds a pool's share to within one item plus its share of one item per pool.
+        for m in range(1, total + 1):
+            assert abs(sum(x[0] == i for x in out[:m]) - m * n / total) < 1 + used * n / total
+
+
+def test_the_prompts_left_to_generate_are_reinterleaved_by_source():
+    """An archive holding the first part of one pool must not push that pool's new prompts to
+    the end of the stage (a stage stopped early would lack them): what is left is remixed."""
+    from dflashkit.regenerate import _by_source_in_proportion
+    left = [({"id": f"chat{i}", "source": "sharegpt-chat"}, [i]) for i in range(8)]
+    left += [({"id": f"rg{i}", "source": f"reasoning-gym:{f}"}, [i]) for i, f in enumerate(["gcd", "lcm"] * 2)]
+    out = [p["id"] for p, _ in _by_source_in_proportion(left)]
+    assert sorted(out) == sorted(p["id"] for p, _ in left)
+    assert [i for i in out if i.startswith("rg")] == ["rg0", "rg1", "rg2", "rg3"]   # one family pool
+    assert sum(i.startswith("rg") for i in out[:6]) == 2                             # a third of any prefix
 
 
 def test_batched_attention_turns_the_rowwise_path_off_and_back_on():
