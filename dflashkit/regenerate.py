@@ -208,15 +208,15 @@ def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, s
 
 
 @torch.inference_mode()
-def _replay_batch(target: Target, samples: list[tuple[list[int], list[int], dict]], cfg: DataConfig,
-                  stored: FeatureStore | None = None):
-    """Features (and teacher top-k) of samples whose response already exists: copied from
-    the record's ``store`` (or ``stored``: the imported folder's features) when there are no teacher distributions to
-    make, else one forward pass over each whole sequence; rows as ``_generate_batch``."""
+def _replay_batch(target: Target, samples: list[tuple[list[int], list[int], dict]], cfg: DataConfig):
+    """Features (and teacher top-k) of samples whose response already exists: copied from the
+    record's ``store`` (its imported folder's features, when reusable) when there are no teacher
+    distributions to make, else one forward pass over each whole sequence; rows as
+    ``_generate_batch``."""
     layers = cfg.feature_layers if cfg.store_features else []
     rows = []
     for prompt, response, old in samples:
-        store = old.get("store", stored)
+        store = old.get("store")
         if store is not None and old.get("shard") and not cfg.teacher_top_k:
             f = store.get(old)[:len(prompt) + len(response) - 1].clone()
             rows.append((response, f, None))

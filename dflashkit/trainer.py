@@ -248,11 +248,10 @@ class Trainer:
                                  f"drafter (with config.json), got {drafter_spec.init!r}")
             from .checkpoint import load_drafter
             from .drafter import warm_start_from_drafter
-            from .checkpoint import load_draft_vocab
             source_drafter = load_drafter(source)
             warm_start_from_drafter(self.drafter, source_drafter)
             self.init_source_layers = source_drafter.config.num_hidden_layers
-            init_vocab = load_draft_vocab(source, source_drafter.config)
+            init_vocab = source_drafter.draft_vocab
         self.gamma = cfg.gamma or default_gamma(dcfg.block_size)
         vocab = self.head.num_embeddings
         if cfg.draft_vocab == "data":
