@@ -143,7 +143,7 @@ def combine(folders: list[Path], out_dir: Path) -> dict:
           + f" Parts:\n\n{machines}\n"
           f"Cells: tau (mean tokens committed per target pass), decode tokens/s, pooled decode "
           f"speedup over `ar` (Hugging Face generate) and, in brackets, over `ar-loop` (our own "
-          f"plain loop on the same execution path). `-`: that method was not run on that suite.\n\n"
+          f"plain loop on the same execution path; without `ar`, over `ar-loop` alone). `-`: that method was not run on that suite.\n\n"
           f"{markdown_table(summary, methods)}\n{verdict}"
           + "\nStand-ins:\n" + "".join(f"- `{s}`: {STAND_INS[s]}\n" for s in suites)
           + "\n## Per suite\n\nPlots: `speedup.png`, `acceptance.png`; the records of each part are "

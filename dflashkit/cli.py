@@ -349,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated: ar, ar-loop, dflash, dflash:B, dflash:auto, "
                             "dflash+lookup[:B|:auto] (the drafter, copying from the context where "
                             "it can), lookup:B (context copies alone, on our loop), prompt-lookup "
-                            "(HF's), assisted:MODEL (default: ar,ar-loop,dflash,prompt-lookup)")
+                            "(HF's), assisted:MODEL; at least one baseline, ar or ar-loop "
+                            "(default: ar,ar-loop,dflash,prompt-lookup)")
     bench.add_argument("--num-prompts", type=_positive_int, default=20,
                        help="per suite; a fixed subset for a given --seed (default 20)")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=256, help="default 256")

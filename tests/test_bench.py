@@ -316,6 +316,42 @@ def test_an_injected_mismatch_fails_the_run_loudly(tmp_path, monkeypatch, capsys
     assert [(r["prompt_id"], r["first_diff_ar_loop"], r["first_diff"]) for r in bad] == [("h2", 5, 5)]
 
 
+def test_a_bench_without_hf_generate_uses_ar_loop_as_its_reference(tmp_path, monkeypatch, capsys):
+    """Where HF generate is slow, ``ar-loop`` alone is the baseline: ratios over it, every
+    output (ours and Hugging Face's) checked against it, a changed token still a failure."""
+    prompts = [BenchPrompt("humaneval", f"h{i}", [f"task number {i}"]) for i in range(3)]
+    target = _tiny_bench(monkeypatch, prompts)
+    drafter = init_drafter(config_for_target(target, num_layers=1, block_size=4, mask_token_id=MASK))
+    methods = make_methods(["ar-loop", "dflash", "prompt-lookup"], target, drafter, block_size=4)
+    report = run_bench(target, methods, ["humaneval"], 3, 10, SamplingConfig(), 0, tmp_path / "ok",
+                       {"target": "tiny"}, progress=False)
+    assert report["lossless"] is True and report["identical_to_ar"] is None
+    assert report["identical_to_ar_loop"] is True
+    e = report["summary"]["humaneval"]["dflash"]
+    assert e["speedup_vs_ar"] is None and e["speedup_vs_ar_loop"] > 0 and e["mismatches"] == 0
+    md = (tmp_path / "ok" / "report.md").read_text()
+    assert "every greedy output identical to `ar-loop`" in md and "No `ar`" in md
+    assert f"{e['speedup_vs_ar_loop']:.2f}x vs ar-loop |" in md    # no empty bracket, no "-" first
+    assert (tmp_path / "ok" / "speedup.png").exists()
+    honest = methods["prompt-lookup"]
+
+    def corrupted(ids, n, s, stops):      # a Hugging Face method that changes token 3 of h1
+        r = honest(ids, n, s, stops)
+        if ids[-1] == 3 + ord("1") % 80:
+            r.tokens = r.tokens[:3] + [(r.tokens[3] + 1) % 100] + r.tokens[4:]
+        return r
+
+    methods["prompt-lookup"] = corrupted
+    capsys.readouterr()
+    report = run_bench(target, methods, ["humaneval"], 3, 10, SamplingConfig(), 0, tmp_path / "bad",
+                       {"target": "tiny"}, progress=False)
+    assert report["lossless"] is False and report["summary"]["humaneval"]["prompt-lookup"]["mismatches"] == 1
+    assert "prompt-lookup differs from ar-loop on humaneval/h1 turn 0 at generated position 3" in \
+        capsys.readouterr().err
+    md = (tmp_path / "bad" / "report.md").read_text()
+    assert "`prompt-lookup` differs from `ar-loop` on humaneval/h1 turn 0 at generated position 3" in md
+
+
 def test_a_sampling_run_does_not_claim_identical_outputs(tmp_path, monkeypatch):
     prompts = [BenchPrompt("chat", f"c{i}", [f"say something {i}"]) for i in range(2)]
     target = _tiny_bench(monkeypatch, prompts)
@@ -354,7 +390,7 @@ def test_bad_bench_input_is_refused_before_any_model_loads(capsys, monkeypatch):
              (["--methods", "ar,dflash,turbo"], "unknown method 'turbo'"),
              (["--methods", "ar,assisted:"], "names no draft model"),
              (["--methods", "ar,dflash:0"], "positive integer or 'auto'"),
-             (["--methods", "ar-loop,dflash"], "must include 'ar'"),
+             (["--methods", "dflash,lookup:3"], "must include a baseline"),
              (["--methods", "ar,ar"], "more than once")]
     for extra, message in cases:
         code = cli.main(["bench", "--target", "qwen2.5-coder-0.5b-instruct", "--suites", "humaneval",
