@@ -25,7 +25,7 @@ from .baselines import hf_generate
 from .checkpoint import atomic_write
 from .costs import cpu_features, cpu_model
 from .decoding import DFlashProposer, speculative_generate
-from .report import (Record, attach_checks, mismatch_kind, read_records, record_line,
+from .report import (Record, attach_checks, describe_failure, mismatch_kind, read_records, record_line,
                      speculates_on_our_loop, summarize, write_records, write_report)
 from .sampling import SamplingConfig
 from .suites import BenchPrompt, load_suite
@@ -272,13 +272,9 @@ def _run_environment(out_dir: Path, fresh_start: bool) -> dict:
 
 def _say_mismatch(rec: Record, kind: str | None, text: str) -> None:
     where = f"{rec.suite}/{rec.prompt_id} turn {rec.turn}"
-    if kind == "failure":
-        against_loop = speculates_on_our_loop(rec.method) and rec.identical_to_ar_loop is False
-        if rec.identical_to_ar is None:   # no ar run: ar-loop is the reference
-            against_loop = True
-        ref, pos = ("ar-loop", rec.first_diff_ar_loop) if against_loop else ("ar", rec.first_diff)
-        print(f"\n\033[31mLOSSLESS CHECK FAILED\033[0m: {rec.method} differs from {ref} on {where} "
-              f"at generated position {pos}; prompt: {text[:120]!r}", file=sys.stderr)
+    if kind == "failure":   # the report's wording (which reference, which position), unquoted
+        print(f"\n\033[31mLOSSLESS CHECK FAILED\033[0m: {describe_failure(rec).replace('`', '')}; "
+              f"prompt: {text[:120]!r}", file=sys.stderr)
     elif kind == "kernel" and rec.identical_to_ar is None:
         print(f"\nnote: bf16 {rec.method} differs from ar-loop on {where} at position "
               f"{rec.first_diff_ar_loop} (kernel rounding: HF's multi-row default kernels)", file=sys.stderr)

@@ -224,8 +224,8 @@ def lossless_verdict(records: list[Record], sampling, bf16: bool = False) -> tup
     failures = [r for r, k in kinds if k == "failure"]
     kernel = [r for r, k in kinds if k == "kernel"]
     # the reference: ar (HF generate) when it ran, else ar-loop (our plain loop)
-    reference = "ar" if any(r.method == "ar" for r in records) or \
-        not any(r.method == "ar-loop" for r in records) else "ar-loop"
+    no_ar = not any(r.method == "ar" for r in records)
+    reference = "ar-loop" if no_ar and any(r.method == "ar-loop" for r in records) else "ar"
     others = [r for r in records if r.method not in ("ar", reference)]
     unchecked = sum(1 for r in others if r.identical_to_ar is None and r.identical_to_ar_loop is None)
     lines = []
@@ -239,7 +239,7 @@ def lossless_verdict(records: list[Record], sampling, bf16: bool = False) -> tup
                          "one-token greedy decoding of the target on the same kernels (that it equals "
                          "`ar` in fp32 is tested in `tests/test_decoding.py`).")
     elif failures:
-        lines.append("**LOSSLESS CHECK FAILED**: " + "; ".join(_describe_failure(r) for r in failures) + ".")
+        lines.append("**LOSSLESS CHECK FAILED**: " + "; ".join(describe_failure(r) for r in failures) + ".")
         if bf16 and not any(r.method == "ar-loop" for r in records):
             lines.append("In bf16 our loop may differ from `ar` by kernel rounding alone: add `ar-loop` "
                          "to --methods to tell that apart from a speculation failure.")
@@ -274,7 +274,9 @@ def _positions(records: list[Record]) -> str:
                      for r in records)
 
 
-def _describe_failure(r: Record) -> str:
+def describe_failure(r: Record) -> str:
+    """Which reference a failed output differs from, where: ``ar-loop`` for our speculative
+    methods, and for every method when no ``ar`` ran; ``ar`` otherwise."""
     if r.identical_to_ar_loop is False and (speculates_on_our_loop(r.method) or r.identical_to_ar is None):
         return (f"`{r.method}` differs from `ar-loop` on {r.suite}/{r.prompt_id} turn {r.turn} at "
                 f"generated position {r.first_diff_ar_loop}")
