@@ -177,13 +177,16 @@ def summarize(records: list[Record], bf16: bool = False) -> dict:
     out: dict = {}
     keys = list(dict.fromkeys((r.suite, r.method) for r in records))   # suites in run order
     by_prompt = {(r.suite, r.prompt_id, r.turn, r.method): r for r in records}
+    # the per-prompt spread is taken against the run's reference: ar, or ar-loop in a run without it
+    reference = "ar" if any(r.method == "ar" for r in records) else "ar-loop"
     for suite, method in keys:
         rs = [r for r in records if r.suite == suite and r.method == method]
         ar = [by_prompt.get((r.suite, r.prompt_id, r.turn, "ar")) for r in rs]
+        base = [by_prompt.get((r.suite, r.prompt_id, r.turn, reference)) for r in rs]
         tok = sum(r.decode_tokens for r in rs)
         sec = sum(r.decode_s for r in rs)
         per_prompt = [(a.decode_s / a.decode_tokens) / (r.decode_s / r.decode_tokens)
-                      for r, a in zip(rs, ar) if a and r.decode_tokens and a.decode_tokens and r.decode_s > 0]
+                      for r, a in zip(rs, base) if a and r.decode_tokens and a.decode_tokens and r.decode_s > 0]
         entry = {
             "prompts": len(rs), "tokens": sum(r.num_tokens for r in rs),
             "decode_tokens_per_s": tok / sec if sec > 0 else 0.0,
@@ -193,7 +196,7 @@ def summarize(records: list[Record], bf16: bool = False) -> dict:
             "speedup_vs_ar_loop": _pooled_speedup(
                 rs, [by_prompt.get((r.suite, r.prompt_id, r.turn, "ar-loop")) for r in rs]),
             "speedup_per_prompt": {"median": _percentile(per_prompt, 0.5), "p10": _percentile(per_prompt, 0.1),
-                                   "p90": _percentile(per_prompt, 0.9)} if per_prompt else None,
+                                   "p90": _percentile(per_prompt, 0.9), "vs": reference} if per_prompt else None,
             "mismatches": sum(1 for r in rs if mismatch_kind(r, bf16) == "failure"),
             "kernel_differences": sum(1 for r in rs if mismatch_kind(r, bf16) == "kernel"),
             "mismatches_vs_ar_loop": sum(1 for r in rs if r.identical_to_ar_loop is False),
@@ -322,7 +325,8 @@ def details_tables(summary: dict, methods: list[str]) -> str:
             cells = [m, str(e["prompts"]), str(e["tokens"]), f"{e['decode_tokens_per_s']:.1f}",
                      f"{e['ttft_s_median']:.2f}",
                      f"{e['speedup_vs_ar']:.2f}x" if e.get("speedup_vs_ar") else "-",
-                     f"{spread['median']:.2f}x ({spread['p10']:.2f}-{spread['p90']:.2f})" if spread else "-",
+                     f"{spread['median']:.2f}x ({spread['p10']:.2f}-{spread['p90']:.2f})"
+                     + (" vs ar-loop" if spread.get("vs") == "ar-loop" else "") if spread else "-",
                      f"{e['speedup_vs_ar_loop']:.2f}x" if e.get("speedup_vs_ar_loop") else "-",
                      f"{e['tau']:.2f}" if "tau" in e else "-",
                      " / ".join(f"{a:.2f}" for a in e["slot_acceptance"][:4]) if e.get("slot_acceptance") else "-"]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dflashkit.bench import make_methods, run_bench
-from dflashkit.report import (Record, attach_checks, first_difference, lossless_verdict, markdown_table, mismatch_kind,
-                              drafting_methods, paired_comparison, paired_tables, report_from_folder,
-                              summarize)
+from dflashkit.report import (Record, attach_checks, details_tables, first_difference, lossless_verdict,
+                              markdown_table, mismatch_kind, drafting_methods, paired_comparison,
+                              paired_tables, report_from_folder, summarize)
 from dflashkit.drafter import config_for_target, init_drafter
 from dflashkit.sampling import SamplingConfig
 from dflashkit.suites import BenchPrompt
@@ -39,6 +39,12 @@ def test_pooled_speedup_tau_and_histogram():
     loop = [rec("ar-loop", "a", 11, 0.8), rec("ar-loop", "b", 21, 2.2)]
     s = summarize(records + loop)["s"]
     assert s["dflash"]["speedup_vs_ar_loop"] == pytest.approx((3.0 / 30) / (1.5 / 30))
+    assert s["dflash"]["speedup_per_prompt"]["vs"] == "ar"     # ar present: still the reference
+    # no ar in the run: the spread is per prompt over ar-loop (1.6x and 2.2x), not missing
+    s = summarize(records[2:] + loop)["s"]
+    spread = s["dflash"]["speedup_per_prompt"]
+    assert spread["vs"] == "ar-loop" and spread["median"] == pytest.approx((1.6 + 2.2) / 2)
+    assert "1.90x (1.66-2.14) vs ar-loop" in details_tables({"s": s}, ["dflash"])
 
 
 def test_paired_comparison_of_two_drafting_methods():
