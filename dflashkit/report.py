@@ -171,14 +171,21 @@ def mismatch_kind(r: Record, bf16: bool) -> str | None:
     return "kernel" if shares_loop_rounding or not _ours(r.method) else "failure"
 
 
+def run_reference(records: list[Record]) -> str:
+    """The method a run's ratios and checks refer to: ``ar`` (HF generate) when it ran, else
+    ``ar-loop`` (our plain loop) when that ran."""
+    if not any(r.method == "ar" for r in records) and any(r.method == "ar-loop" for r in records):
+        return "ar-loop"
+    return "ar"
+
+
 def summarize(records: list[Record], bf16: bool = False) -> dict:
     """Per suite x method: tokens/s, pooled speedup over ar with spread, tau, slots, histogram.
     ``bf16``: our loop may differ from HF generate by kernel rounding (see mismatch_kind)."""
     out: dict = {}
     keys = list(dict.fromkeys((r.suite, r.method) for r in records))   # suites in run order
     by_prompt = {(r.suite, r.prompt_id, r.turn, r.method): r for r in records}
-    # the per-prompt spread is taken against the run's reference: ar, or ar-loop in a run without it
-    reference = "ar" if any(r.method == "ar" for r in records) else "ar-loop"
+    reference = run_reference(records)   # what the per-prompt spread is taken over
     for suite, method in keys:
         rs = [r for r in records if r.suite == suite and r.method == method]
         ar = [by_prompt.get((r.suite, r.prompt_id, r.turn, "ar")) for r in rs]
@@ -226,9 +233,7 @@ def lossless_verdict(records: list[Record], sampling, bf16: bool = False) -> tup
     kinds = [(r, mismatch_kind(r, bf16)) for r in records]
     failures = [r for r, k in kinds if k == "failure"]
     kernel = [r for r, k in kinds if k == "kernel"]
-    # the reference: ar (HF generate) when it ran, else ar-loop (our plain loop)
-    no_ar = not any(r.method == "ar" for r in records)
-    reference = "ar-loop" if no_ar and any(r.method == "ar-loop" for r in records) else "ar"
+    reference = run_reference(records)
     others = [r for r in records if r.method not in ("ar", reference)]
     unchecked = sum(1 for r in others if r.identical_to_ar is None and r.identical_to_ar_loop is None)
     lines = []
