@@ -7,6 +7,10 @@
   HumanEval-shaped (HumanEval itself is evaluation only).
 - library completions ("docs"): the same shape from the pure-Python functions of sympy,
   networkx and numpy, which torch and numpy pin, so the pool is the same on every install.
+- API completions ("apis"): the same shape again from the rest of the standard library
+  (modules the stdlib pool leaves out, and the submodules of its packages) and from more
+  pinned pure-Python packages (scipy, mpmath, matplotlib, pyparsing, dateutil,
+  reasoning_gym); a function name the two pools above already hold is skipped.
 - math: reasoning-gym generators at TRAINING seeds (>= 10_000); benchmarks use seeds < 10_000.
 """
 
@@ -128,26 +132,56 @@ def stdlib_code_prompts() -> list[dict]:
 
 
 LIBRARY_PACKAGES = ("sympy", "networkx", "numpy")
+API_PACKAGES = ("scipy", "mpmath", "matplotlib", "pyparsing", "dateutil", "reasoning_gym")
+# standard-library packages and modules no prompt pool walks: interactive, platform-bound or
+# tooling code (the GUI, the old 2to3 converter, installers)
+_STDLIB_SKIPPED = ("antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3",
+                   "ensurepip", "venv", "pydoc_data", "test", "ctypes", "curses", "msilib",
+                   "winreg", "winsound", "msvcrt", "asyncio")
+
+
+def _walk(package: str, private: bool = False) -> list[str]:
+    """The package and its public submodules (no tests or benchmarks; private modules only
+    when asked: scipy defines its public functions in them)."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):   # pyparsing prints on import
+            root = importlib.import_module(package)
+    except ImportError:
+        return []
+    modules = [package]
+    if not hasattr(root, "__path__"):
+        return modules
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")   # the walk imports subpackages, some warn
+        for info in pkgutil.walk_packages(root.__path__, package + ".", onerror=lambda name: None):
+            parts = info.name.split(".")[1:]
+            skip = ("test", "conftest", "benchmark") if private else ("_", "test", "conftest", "benchmark")
+            if "__main__" not in parts and not any(p.startswith(skip) for p in parts):   # never run a script
+                modules.append(info.name)
+    return modules
 
 
 def library_code_prompts() -> list[dict]:
     """HumanEval-shaped completions from sympy, networkx and numpy functions (their
     docstrings often carry ``>>>`` examples, as HumanEval's do). Sorted module walk: the
     pool depends only on the pinned package versions."""
-    modules = []
-    for package in LIBRARY_PACKAGES:
-        try:
-            root = importlib.import_module(package)
-        except ImportError:
-            continue
-        modules.append(package)
-        with warnings.catch_warnings():   # the walk imports subpackages, some warn
-            warnings.simplefilter("ignore")
-            for info in pkgutil.walk_packages(root.__path__, package + ".", onerror=lambda name: None):
-                parts = info.name.split(".")[1:]
-                if not any(p.startswith(("_", "test", "conftest", "benchmark")) for p in parts):
-                    modules.append(info.name)
+    modules = [m for package in LIBRARY_PACKAGES for m in _walk(package)]
     return _docstring_prompts(sorted(modules), "lib", "library-docstrings", "docs", max_doc=1200)
+
+
+def api_code_prompts() -> list[dict]:
+    """More HumanEval-shaped completions once the two pools above were used up: the rest of
+    the standard library and more pinned packages, every function name new to the prompts.
+    Longer docstrings are allowed (scipy's carry their examples after long parameter
+    lists); the data stage's prompt-token cap still applies."""
+    import sys
+    taken = {p["id"].rsplit(".", 1)[1] for p in stdlib_code_prompts() + library_code_prompts()}
+    stdlib = sorted(m for m in sys.stdlib_module_names
+                    if not m.startswith("_") and m not in _STDLIB_SKIPPED)
+    modules = sorted({m for name in stdlib for m in _walk(name)} - set(_STDLIB_MODULES))
+    modules += sorted(m for package in API_PACKAGES for m in _walk(package, private=True))
+    pool = _docstring_prompts(modules, "api", "api-docstrings", "apis", max_doc=1800)
+    return [p for p in pool if p["id"].rsplit(".", 1)[1] not in taken]
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -212,7 +246,7 @@ def math_prompts(n: int, seed: int = TRAIN_MATH_SEED, families=_TRAIN_MATH_FAMIL
 
 
 def training_prompts(num_code: int, num_math: int, num_chat: int, seed: int = 0,
-                     num_docs: int = 0) -> list[dict]:
+                     num_docs: int = 0, num_apis: int = 0) -> list[dict]:
     """A seeded, proportionally interleaved mix. Each pool is shuffled once, independently of
     the counts, so a smaller request is a subset of a larger one (a run can be resized, and a
     new pool added, without changing what the others contribute)."""
@@ -222,8 +256,9 @@ def training_prompts(num_code: int, num_math: int, num_chat: int, seed: int = 0,
         "math": math_prompts(max(num_math, 1000), TRAIN_MATH_SEED + seed),
         "chat": [p for p in shared if p["kind"] == "chat"],
         "docs": library_code_prompts() if num_docs else [],
+        "apis": api_code_prompts() if num_apis else [],
     }
-    counts = {"code": num_code, "math": num_math, "chat": num_chat, "docs": num_docs}
+    counts = {"code": num_code, "math": num_math, "chat": num_chat, "docs": num_docs, "apis": num_apis}
     for kind, pool in pools.items():
         random.Random(f"{seed}-{kind}").shuffle(pool)
         if counts[kind] > len(pool):

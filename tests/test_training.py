@@ -635,6 +635,32 @@ def test_library_prompts_are_humaneval_shaped_and_extend_the_mix_without_changin
     assert len(docs) == 8 and len(more) == len(base) + 8
 
 
+def test_api_prompts_are_new_humaneval_shaped_functions_and_extend_the_mix_without_changing_it():
+    from dflashkit.prompts import (CODE_INSTRUCTION, api_code_prompts, library_code_prompts,
+                                   stdlib_code_prompts, training_prompts)
+    pool = api_code_prompts()
+    names = [p["id"].rsplit(".", 1)[1] for p in pool]
+    assert len(pool) > 1000 and len(set(names)) == len(names)
+    older = {p["id"].rsplit(".", 1)[1] for p in stdlib_code_prompts() + library_code_prompts()}
+    assert not set(names) & older                      # a function is never asked for twice
+    for p in pool[::53]:
+        text = p["messages"][0]["content"]
+        assert text.startswith(CODE_INSTRUCTION) and "\n```python\ndef " in text and '"""' in text
+        assert p["kind"] == "apis" and p["source"] == "api-docstrings"
+    assert {p["id"].split("-", 1)[1].split(".")[0] for p in pool} >= {"scipy", "mpmath", "os", "email"}
+    assert not [p["id"] for p in pool if " at 0x" in p["messages"][0]["content"]]
+    digest = "import hashlib, json; from dflashkit.prompts import api_code_prompts; " \
+             "print(hashlib.sha256(json.dumps(api_code_prompts()).encode()).hexdigest())"
+    other = subprocess.run([sys.executable, "-c", digest], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == hashlib.sha256(json.dumps(pool).encode()).hexdigest()
+    base = training_prompts(12, 6, 6, num_docs=4)
+    more = training_prompts(12, 6, 6, num_docs=4, num_apis=10)
+    assert {p["id"] for p in base} <= {p["id"] for p in more}
+    assert sum(p["kind"] == "apis" for p in more) == 10 and len(more) == len(base) + 10
+    with pytest.raises(ValueError, match="apis prompts, only"):
+        training_prompts(1, 1, 1, num_apis=len(pool) + 1)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 15), min_size=1, max_size=5))
 def test_interleave_keeps_each_pools_order_and_every_prefix_in_proportion(sizes):
