@@ -189,7 +189,14 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 def without_addresses(text: str) -> str:
     """Drop the memory addresses that default reprs carry (``<function f at 0x7f...>``):
-    they change from process to process, and a prompt must be the same in every run."""
+    they change from process to process, and a prompt must be the same in every run. A
+    default that is the interpreter's own path (``platform.architecture(executable=...)``)
+    is written as the expression it came from, or the prompt would change with the install."""
+    import sys
+    for name in ("executable", "prefix", "base_prefix", "exec_prefix"):
+        path = getattr(sys, name, "")
+        if path:
+            text = text.replace(repr(path), f"sys.{name}")
     return _ADDRESS.sub("", text)
 
 

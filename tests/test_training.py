@@ -635,7 +635,7 @@ def test_library_prompts_are_humaneval_shaped_and_extend_the_mix_without_changin
     assert len(docs) == 8 and len(more) == len(base) + 8
 
 
-def test_api_prompts_are_new_humaneval_shaped_functions_and_extend_the_mix_without_changing_it():
+def test_api_prompts_are_new_humaneval_shaped_functions_and_extend_the_mix_without_changing_it(tmp_path):
     from dflashkit.prompts import (CODE_INSTRUCTION, api_code_prompts, library_code_prompts,
                                    stdlib_code_prompts, training_prompts)
     pool = api_code_prompts()
@@ -648,11 +648,15 @@ def test_api_prompts_are_new_humaneval_shaped_functions_and_extend_the_mix_witho
         assert text.startswith(CODE_INSTRUCTION) and "\n```python\ndef " in text and '"""' in text
         assert p["kind"] == "apis" and p["source"] == "api-docstrings"
     assert {p["id"].split("-", 1)[1].split(".")[0] for p in pool} >= {"scipy", "mpmath", "os", "email"}
-    assert not [p["id"] for p in pool if " at 0x" in p["messages"][0]["content"]]
+    # the same on every install and in every process: no address, no path of this interpreter
+    texts = [p["messages"][0]["content"] for p in pool]
+    assert not [t for t in texts if " at 0x" in t or sys.prefix in t or sys.executable in t]
+    assert "def architecture(executable=sys.executable," in "".join(texts)
     digest = "import hashlib, json; from dflashkit.prompts import api_code_prompts; " \
              "print(hashlib.sha256(json.dumps(api_code_prompts()).encode()).hexdigest())"
-    other = subprocess.run([sys.executable, "-c", digest], capture_output=True, text=True, check=True)
-    assert other.stdout.strip() == hashlib.sha256(json.dumps(pool).encode()).hexdigest()
+    runs = [subprocess.run([sys.executable, "-c", digest], capture_output=True, text=True,
+                           check=True, cwd=cwd).stdout.strip() for cwd in (tmp_path, Path.cwd())]
+    assert runs[0] == runs[1] and len(runs[0]) == 64
     base = training_prompts(12, 6, 6, num_docs=4)
     more = training_prompts(12, 6, 6, num_docs=4, num_apis=10)
     assert {p["id"] for p in base} <= {p["id"] for p in more}
