@@ -26,6 +26,7 @@ import json
 import pkgutil
 import random
 import re
+import sys
 import textwrap
 import warnings
 from functools import lru_cache
@@ -151,11 +152,11 @@ def _walk(package: str, private: bool = False) -> list[str]:
     modules = [package]
     if not hasattr(root, "__path__"):
         return modules
+    skip = ("test", "conftest", "benchmark") if private else ("_", "test", "conftest", "benchmark")
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")   # the walk imports subpackages, some warn
         for info in pkgutil.walk_packages(root.__path__, package + ".", onerror=lambda name: None):
             parts = info.name.split(".")[1:]
-            skip = ("test", "conftest", "benchmark") if private else ("_", "test", "conftest", "benchmark")
             if "__main__" not in parts and not any(p.startswith(skip) for p in parts):   # never run a script
                 modules.append(info.name)
     return modules
@@ -174,7 +175,6 @@ def api_code_prompts() -> list[dict]:
     the standard library and more pinned packages, every function name new to the prompts.
     Longer docstrings are allowed (scipy's carry their examples after long parameter
     lists); the data stage's prompt-token cap still applies."""
-    import sys
     taken = {p["id"].rsplit(".", 1)[1] for p in stdlib_code_prompts() + library_code_prompts()}
     stdlib = sorted(m for m in sys.stdlib_module_names
                     if not m.startswith("_") and m not in _STDLIB_SKIPPED)
@@ -192,7 +192,6 @@ def without_addresses(text: str) -> str:
     they change from process to process, and a prompt must be the same in every run. A
     default that is the interpreter's own path (``platform.architecture(executable=...)``)
     is written as the expression it came from, or the prompt would change with the install."""
-    import sys
     for name in ("executable", "prefix", "base_prefix", "exec_prefix"):
         path = getattr(sys, name, "")
         if path:
