@@ -28,6 +28,7 @@ import random
 import re
 import sys
 import textwrap
+import types
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -191,12 +192,50 @@ def without_addresses(text: str) -> str:
     """Drop the memory addresses that default reprs carry (``<function f at 0x7f...>``):
     they change from process to process, and a prompt must be the same in every run. A
     default that is the interpreter's own path (``platform.architecture(executable=...)``)
-    is written as the expression it came from, or the prompt would change with the install."""
+    is written as the expression it came from, or the prompt would change with the install;
+    so is a ``sys.stdout`` default as older runs wrote it (bound under the walk's redirect)."""
     for name in ("executable", "prefix", "base_prefix", "exec_prefix"):
         path = getattr(sys, name, "")
         if path:
             text = text.replace(repr(path), f"sys.{name}")
-    return _ADDRESS.sub("", text)
+    return _ADDRESS.sub("", text).replace("<_io.StringIO object>", "sys.stdout")
+
+
+class _Expression:
+    """A signature default shown as the expression it came from rather than its repr."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+_RUNTIME_SIGNATURES = {("matplotlib.pyplot", name) for name in ("show", "draw_if_interactive", "new_figure_manager")}
+
+
+def stable_signature(func) -> inspect.Signature:
+    """``inspect.signature`` as a fresh process sees it. Two things can depend on what the
+    process did before the pool was built: a ``__signature__`` a library sets at run time
+    (pyplot gives its backend functions the backend's once one is chosen; other libraries set
+    theirs once, at import, and those are kept), and a default bound to whatever
+    ``sys.stdout`` was when the module was imported (the walk's redirect, pytest's capture).
+    The first is ignored; the second is written as the expression."""
+    if (func.__module__, func.__name__) in _RUNTIME_SIGNATURES and "__signature__" in vars(func):
+        bare = types.FunctionType(func.__code__, func.__globals__, func.__name__,
+                                  func.__defaults__, func.__closure__)
+        bare.__kwdefaults__, bare.__annotations__ = func.__kwdefaults__, func.__annotations__
+        if hasattr(func, "__wrapped__"):
+            bare.__wrapped__ = func.__wrapped__
+        func = bare
+    sig = inspect.signature(func)
+    params = []
+    for param in sig.parameters.values():
+        if isinstance(param.default, io.IOBase):
+            err = param.default in (sys.stderr, sys.__stderr__) or getattr(param.default, "name", "") == "<stderr>"
+            param = param.replace(default=_Expression("sys.stderr" if err else "sys.stdout"))
+        params.append(param)
+    return sig.replace(parameters=params)
 
 
 def _docstring_prompts(module_names, prefix: str, source: str, kind: str, max_doc: int) -> list[dict]:
@@ -218,7 +257,7 @@ def _docstring_prompts(module_names, prefix: str, source: str, kind: str, max_do
             if not 60 <= len(doc) <= max_doc or name in seen:
                 continue
             try:
-                sig = without_addresses(str(inspect.signature(obj)))
+                sig = without_addresses(str(stable_signature(obj)))
             except (TypeError, ValueError):
                 continue
             seen.add(name)

@@ -652,11 +652,20 @@ def test_api_prompts_are_new_humaneval_shaped_functions_and_extend_the_mix_witho
     texts = [p["messages"][0]["content"] for p in pool]
     assert not [t for t in texts if " at 0x" in t or sys.prefix in t or sys.executable in t]
     assert "def architecture(executable=sys.executable," in "".join(texts)
+    assert "def print_cycles(objects, outstream=sys.stdout, " in "".join(texts)
+    # A fresh process, and one that first imported the stream-default modules with another
+    # sys.stdout and chose a matplotlib backend (pyplot then rebinds show's signature), in
+    # another folder; and this process, whatever the tests before it imported.
     digest = "import hashlib, json; from dflashkit.prompts import api_code_prompts; " \
              "print(hashlib.sha256(json.dumps(api_code_prompts()).encode()).hexdigest())"
-    runs = [subprocess.run([sys.executable, "-c", digest], capture_output=True, text=True,
-                           check=True, cwd=cwd).stdout.strip() for cwd in (tmp_path, Path.cwd())]
-    assert runs[0] == runs[1] and len(runs[0]) == 64
+    dirty = "import io, sys, matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt; " \
+            "plt.switch_backend('Agg'); out, sys.stdout = sys.stdout, io.TextIOWrapper(io.BytesIO()); " \
+            "import matplotlib.cbook, pyparsing; sys.stdout = out; "
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, cwd=cwd).stdout.strip().splitlines()[-1]
+            for code, cwd in ((digest, tmp_path), (dirty + digest, Path.cwd()))]
+    here = hashlib.sha256(json.dumps(pool).encode()).hexdigest()
+    assert runs[0] == runs[1] == here and len(here) == 64
     base = training_prompts(12, 6, 6, num_docs=4)
     more = training_prompts(12, 6, 6, num_docs=4, num_apis=10)
     assert {p["id"] for p in base} <= {p["id"] for p in more}
