@@ -30,6 +30,7 @@ import sys
 import textwrap
 import types
 import warnings
+import functools
 from functools import lru_cache
 from pathlib import Path
 
@@ -128,6 +129,19 @@ _STDLIB_MODULES = (
 ).split()
 
 
+def _built_once(build):
+    """A docstring pool is built once per process: its walk imports and introspects for
+    seconds, and each later pool needs the names of all the earlier ones. Callers get their
+    own list (``training_prompts`` shuffles in place); the prompt dicts are shared, read-only."""
+    once = lru_cache(maxsize=1)(lambda: tuple(build()))
+
+    @functools.wraps(build)
+    def pool() -> list[dict]:
+        return list(once())
+    return pool
+
+
+@_built_once
 def stdlib_code_prompts() -> list[dict]:
     """HumanEval-shaped completions from standard-library functions with good docstrings."""
     return _docstring_prompts(_STDLIB_MODULES, "stdlib", "stdlib-docstrings", "code", max_doc=900)
@@ -174,6 +188,7 @@ def _walk(package: str, private: bool = False) -> list[str]:
     return modules
 
 
+@_built_once
 def library_code_prompts() -> list[dict]:
     """HumanEval-shaped completions from sympy, networkx and numpy functions (their
     docstrings often carry ``>>>`` examples, as HumanEval's do). Sorted module walk: the
@@ -182,6 +197,7 @@ def library_code_prompts() -> list[dict]:
     return _docstring_prompts(sorted(modules), "lib", "library-docstrings", "docs", max_doc=1200)
 
 
+@_built_once
 def api_code_prompts() -> list[dict]:
     """More HumanEval-shaped completions once the two pools above were used up: the rest of
     the standard library and more pinned packages, every function name new to the prompts.
@@ -196,9 +212,11 @@ def api_code_prompts() -> list[dict]:
     return [p for p in pool if p["id"].rsplit(".", 1)[1] not in taken]
 
 
+@_built_once
 def package_code_prompts() -> list[dict]:
     """The next HumanEval-shaped pool, once the apis pool runs low: functions of
-    ``MORE_PACKAGES``, every name new to the three pools before it."""
+    ``MORE_PACKAGES`` (torch's and transformers' public modules only), every name new to the
+    three pools before it."""
     taken = {p["id"].rsplit(".", 1)[1]
              for p in stdlib_code_prompts() + library_code_prompts() + api_code_prompts()}
     modules = sorted(m for package in MORE_PACKAGES
