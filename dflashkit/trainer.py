@@ -109,10 +109,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", local)
 
 
+def under_torchrun() -> bool:
+    """torchrun (or any env:// launcher) set this process's rank and rendezvous; a group of
+    one counts, so the all-reduce path runs on a one-GPU machine too."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world > 1 or (world == 1 and "MASTER_ADDR" in os.environ and "RANK" in os.environ)
+
+
 def init_distributed(device: torch.device | None = None) -> tuple[int, int]:
     """The process group of a torchrun job: NCCL when the trainer's tensors live on GPUs
     (NCCL reduces device memory only), gloo when they live on the CPU."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+    if under_torchrun() and not dist.is_initialized():
         if device is not None and device.type == "cuda":
             dist.init_process_group("nccl", device_id=device)
         else:
@@ -366,7 +373,7 @@ class Trainer:
             correct += out.slot_correct
             total += out.slot_total
         params = [p for p in self.drafter.parameters()]
-        if self.world > 1:
+        if dist.is_initialized():
             flat = torch.cat([p.grad.reshape(-1) if p.grad is not None
                               else torch.zeros(p.numel(), device=p.device) for p in params])
             packed = torch.cat([flat, torch.tensor([stats["ce"], stats["w"], stats["tokens"],
@@ -504,6 +511,10 @@ class Trainer:
         cfg = self.cfg
         if self.try_resume() and self.rank == 0:
             print(f"resumed from {self.ckpt_path} at step {self.state.step}")
+        if self.rank == 0:
+            group = (f", gradients summed by {dist.get_backend()} all-reduce over {self.world} "
+                     f"process(es)" if dist.is_initialized() else "")
+            print(f"train: {self._hardware()}{group}", flush=True)
         self._truncate_log(self.state.step - 1)
         last = self.total_steps if cfg.max_steps is None else min(self.total_steps, cfg.max_steps)
         bar = tqdm(total=last, initial=self.state.step, disable=not self.progress, desc="train")

@@ -321,10 +321,10 @@ def _config(root: Path, name: str, drafter: dict | None = None, **train) -> Path
     return path
 
 
-def _train(config: Path, extra=(), nproc=1):
+def _train(config: Path, extra=(), nproc=1, torchrun=False):
     cmd = [sys.executable, "-m", "dflashkit.cli", "train", "--config", str(config),
            "--stages", "train,export", *extra]
-    if nproc > 1:
+    if nproc > 1 or torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", "-m", "dflashkit.cli", "train", "--config", str(config),
                "--stages", "train,export"]
@@ -365,9 +365,10 @@ def test_kill_minus_nine_then_resume_reaches_the_same_weights(tiny_run):
 
 def test_two_processes_match_one(tiny_run):
     root, _ = tiny_run
-    single = _train(_config(root, "one", epochs=1))
+    # the CPU path (gloo) on any machine: two processes on a one-GPU machine would share it
+    single = _train(_config(root, "one", epochs=1, device="cpu"))
     assert single.returncode == 0, single.stderr[-2000:]
-    double = _train(_config(root, "two", epochs=1), nproc=2)
+    double = _train(_config(root, "two", epochs=1, device="cpu"), nproc=2)
     assert double.returncode == 0, double.stderr[-3000:]
     a = torch.load(root / "one" / "train" / "last.pt", weights_only=False)["drafter"]
     b = torch.load(root / "two" / "train" / "last.pt", weights_only=False)["drafter"]
@@ -378,6 +379,31 @@ def test_two_processes_match_one(tiny_run):
     loss_a = [float(r.split(",")[3]) for r in la[1:]]
     loss_b = [float(r.split(",")[3]) for r in lb[1:]]
     assert loss_a == pytest.approx(loss_b, rel=1e-4)
+    assert "gradients summed by gloo all-reduce over 2 process(es)" in double.stdout
+    assert "all-reduce" not in single.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda)")
+def test_torchrun_on_gpus_sums_gradients_over_nccl_like_one_process(tiny_run):
+    """Under torchrun on GPUs each process trains on cuda:LOCAL_RANK and the gradients are
+    summed over NCCL: one process per GPU, up to two (on a one-GPU machine a group of one, which
+    still runs the NCCL all-reduce and the barriers); the weights match one plain process."""
+    root, _ = tiny_run
+    nproc = min(2, torch.cuda.device_count())
+    single = _train(_config(root, "gpu-plain", epochs=1, device="cuda"))
+    assert single.returncode == 0, single.stderr[-2000:]
+    multi = _train(_config(root, "gpu-torchrun", epochs=1, device="cuda"), nproc=nproc,
+                   torchrun=True)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    assert f"gradients summed by nccl all-reduce over {nproc} process(es)" in multi.stdout
+    assert torch.cuda.get_device_name() in multi.stdout
+    a = torch.load(root / "gpu-plain" / "train" / "last.pt", weights_only=False,
+                   map_location="cpu")["drafter"]
+    b = torch.load(root / "gpu-torchrun" / "train" / "last.pt", weights_only=False,
+                   map_location="cpu")["drafter"]
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=1e-3)
+    assert (root / "gpu-torchrun" / "drafter" / "model.safetensors").exists()
 
 
 def test_online_features_train_like_stored_ones(tiny_run):
