@@ -170,3 +170,35 @@ def test_sampling_config_validation():
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1), dict(top_k=1.5)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda)")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_greedy_on_a_gpu_equals_hf_generate_there(dtype):
+    """The loop keeps every tensor on the target's device: on a GPU, speculative greedy output
+    (a random drafter, block 8, and the oracle that accepts whole blocks) is the target's own
+    greedy output from transformers on the same GPU."""
+    from dflashkit.target import Target
+    base = tiny_target("qwen2", seed=5, dtype=dtype, temperature_scale=3.0)
+    base.set_fast_path(False)   # the CPU's prepacked (oneDNN) weights cannot move to a GPU
+    target = Target(base.model.to("cuda"), None, name="tiny-qwen2-cuda")
+    assert target.device.type == "cuda"
+    drafter = init_drafter(config_for_target(target, num_layers=2, block_size=8,
+                                             mask_token_id=MASK), seed=5).to("cuda")
+    g = torch.Generator().manual_seed(5)
+    for n in range(6):
+        prompt = torch.randint(3, VOCAB - 2, (int(torch.randint(1, 24, (1,), generator=g)),),
+                               generator=g).tolist()
+        ids = torch.tensor([prompt], device="cuda")
+        with target.default_path():
+            ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                        max_new_tokens=48, pad_token_id=0, eos_token_id=None)
+        ref = ref[0, len(prompt):].tolist()
+        res = speculative_generate(target, drafter, prompt, max_new_tokens=48, block_size=8,
+                                   stop_token_ids=[])
+        assert res.tokens == ref
+        oracle = OracleProposer(ref, len(prompt))
+        whole = speculative_generate(target, oracle, prompt, max_new_tokens=48, block_size=8,
+                                     stop_token_ids=[])
+        assert whole.tokens == ref
+        assert max(whole.stats.acceptance_lengths) == 8
