@@ -51,6 +51,10 @@ def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of ``probs`` ``[..., vocab]``."""
+    """One draw per row of ``probs`` ``[..., vocab]``, made on the generator's device: the
+    decoding loop's generator lives on the CPU, so a seed draws the same way wherever the
+    target runs (and a GPU's probabilities cannot meet a CPU generator inside multinomial)."""
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    if generator is not None and flat.device != generator.device:
+        flat = flat.to(generator.device)
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1]).to(probs.device)

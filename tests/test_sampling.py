@@ -7,6 +7,8 @@ deterministic) compares them with N speculative samples.
 """
 
 
+import copy
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -45,7 +47,7 @@ def exact_distribution(target, prompt, length, sampling):
     for _ in range(length):
         nxt = {}
         for seq, p in dist.items():
-            ids = torch.tensor([prompt + list(seq)])
+            ids = torch.tensor([prompt + list(seq)], device=target.device)
             logits = target.model(input_ids=ids).logits[0, -1]
             probs = target_probs(logits, sampling)
             for tok in torch.nonzero(probs > 0).flatten().tolist():
@@ -149,3 +151,32 @@ def test_seeded_sampling_is_reproducible():
     a = speculative_generate(target, drafter, [5, 6, 7], max_new_tokens=20, sampling=s)
     b = speculative_generate(target, drafter, [5, 6, 7], max_new_tokens=20, sampling=s)
     assert a.tokens == b.tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda)")
+@pytest.mark.parametrize("acceptance", ["match", "rejection"])
+def test_sampling_on_a_gpu_matches_the_targets_distribution_and_the_cpus_draws(acceptance):
+    """On a GPU, speculative samples follow the target's exact distribution (enumerated on the
+    same GPU), and a seed draws the same tokens as on the CPU (fp64: the probabilities agree)."""
+    from dflashkit.target import Target
+    cpu = tiny_target("qwen2", seed=1, dtype=torch.float64, temperature_scale=0.6)
+    cpu.set_fast_path(False)
+    cpu_drafter = init_drafter(config_for_target(cpu, num_layers=1, block_size=4, mask_token_id=MASK))
+    gpu = Target(copy.deepcopy(cpu.model).to("cuda"), None, name="tiny-qwen2-cuda")
+    gpu_drafter = copy.deepcopy(cpu_drafter).to("cuda")
+    sampling = SamplingConfig(temperature=0.8, top_k=4)
+    prompt, length, n = [9, 14, 27, 3], 3, 1000
+    dist = exact_distribution(gpu, prompt, length, sampling)
+    samples = []
+    for seed in range(n):
+        s = SamplingConfig(sampling.temperature, sampling.top_p, sampling.top_k, seed=seed)
+        res = speculative_generate(gpu, gpu_drafter, prompt, max_new_tokens=length, sampling=s,
+                                   block_size=4, stop_token_ids=[], acceptance=acceptance)
+        samples.append(tuple(res.tokens))
+        if seed < 20:
+            there = speculative_generate(cpu, cpu_drafter, prompt, max_new_tokens=length,
+                                         sampling=s, block_size=4, stop_token_ids=[],
+                                         acceptance=acceptance)
+            assert there.tokens == res.tokens
+    p = chi_square_pvalue(samples, dist)
+    assert p > ALPHA, f"speculative samples on the GPU deviate from the target's distribution (p={p:.2e})"
