@@ -113,7 +113,7 @@ def under_torchrun() -> bool:
     """torchrun (or any env:// launcher) set this process's rank and rendezvous; a group of
     one counts, so the all-reduce path runs on a one-GPU machine too."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return world > 1 or (world == 1 and "MASTER_ADDR" in os.environ and "RANK" in os.environ)
+    return world > 1 or ("MASTER_ADDR" in os.environ and "RANK" in os.environ)
 
 
 def init_distributed(device: torch.device | None = None) -> tuple[int, int]:

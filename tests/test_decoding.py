@@ -14,7 +14,7 @@ from tests.conftest import EOS, MASK, VOCAB, tiny_target
 def hf_greedy(target, prompt, max_new_tokens, eos=EOS):
     """The target's own greedy output, from transformers with its default kernels (the
     reference must not run on the path under test)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=target.device)
     gen_cfg = target.model.generation_config
     gen_cfg.eos_token_id = eos
     with target.default_path():
@@ -189,11 +189,7 @@ def test_greedy_on_a_gpu_equals_hf_generate_there(dtype):
     for n in range(6):
         prompt = torch.randint(3, VOCAB - 2, (int(torch.randint(1, 24, (1,), generator=g)),),
                                generator=g).tolist()
-        ids = torch.tensor([prompt], device="cuda")
-        with target.default_path():
-            ref = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                        max_new_tokens=48, pad_token_id=0, eos_token_id=None)
-        ref = ref[0, len(prompt):].tolist()
+        ref = hf_greedy(target, prompt, 48, eos=None)
         res = speculative_generate(target, drafter, prompt, max_new_tokens=48, block_size=8,
                                    stop_token_ids=[])
         assert res.tokens == ref
