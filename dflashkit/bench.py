@@ -172,11 +172,12 @@ def _from_loop(r) -> RunResult:
 
 # what must not change when a run resumes: the timings would not compare (the code included:
 # a resume after a speed fix would mix records of two programs)
-MACHINE_KEYS = ("cpu", "cpu_features", "cores", "torch_threads", "torch", "transformers",
+MACHINE_KEYS = ("cpu", "gpu", "cpu_features", "cores", "torch_threads", "torch", "transformers",
                 "packed_min_rows", "dflashkit_commit")
 
 
-def environment() -> dict:
+def environment(device: torch.device | str = "cpu") -> dict:
+    """The machine and libraries behind a run's timings; ``gpu`` names the GPU the target ran on."""
     from importlib import metadata
     versions = {}
     for package in ("tokenizers", "numpy", "reasoning-gym", "accelerate"):
@@ -186,7 +187,8 @@ def environment() -> dict:
             versions[package] = None
     import transformers
     from .fastpath import packed_min_rows
-    return {"cpu": cpu_model(), "cpu_features": cpu_features(), "cores": os.cpu_count(),
+    gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else None
+    return {"cpu": cpu_model(), "gpu": gpu, "cpu_features": cpu_features(), "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "packed_min_rows": packed_min_rows(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "packages": versions, "dflashkit_commit": _git_commit(),
@@ -244,12 +246,12 @@ def _resume(out_dir: Path, fingerprint: dict, fresh: bool) -> dict[tuple, Record
     return done
 
 
-def _run_environment(out_dir: Path, fresh_start: bool) -> dict:
+def _run_environment(out_dir: Path, fresh_start: bool, device: torch.device | str = "cpu") -> dict:
     """The machine the records were measured on, written when the run starts; a resumed run
     must run on the same CPU with the same threads and libraries, or its timings would not
     compare with the earlier ones. Each resume is noted (the report says so)."""
     path = out_dir / "environment.json"
-    now = environment()
+    now = environment(device)
     if fresh_start or not path.exists():
         atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(now, indent=1)))
         return now
@@ -314,7 +316,7 @@ def run_bench(target: Target, methods: dict[str, Method], suites: list[str], num
                    "fast_path": getattr(target, "fast_path", None)}
     done = _resume(out_dir, fingerprint, fresh)
     bf16 = target.dtype != torch.float32   # our loop may then differ from HF generate (mismatch_kind)
-    env = _run_environment(out_dir, fresh_start=not done)
+    env = _run_environment(out_dir, fresh_start=not done, device=target.device)
     total_turns = sum(len(p.turns) for p in prompts)
     log_path = out_dir / "records.jsonl"
     logged: dict[tuple, Record] = dict(done)       # what records.jsonl holds, in its order

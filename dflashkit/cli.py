@@ -21,8 +21,8 @@ def shipped_drafter(target_name: str) -> Path | None:
 
 
 def _warn_if_inexact(target, speculative: bool) -> None:
-    from .target import inexact_bf16_warning
-    message = inexact_bf16_warning(target) if speculative else None
+    from .target import inexact_output_warning
+    message = inexact_output_warning(target) if speculative else None
     if message:
         print(message, file=sys.stderr)
 
@@ -129,7 +129,7 @@ def cmd_generate(args) -> int:
                          f"--block-size 1 for plain decoding")
     drafter = load_drafter(drafter_path) if args.block_size != 1 else None   # fail fast on a bad folder
     target = load_target(args.target, dtype=args.dtype, progress=not args.json,
-                         fast_path=False if args.no_fast_path else None)
+                         fast_path=False if args.no_fast_path else None, device=args.device)
     _warn_if_inexact(target, speculative=drafter is not None)
     if drafter is not None and drafter.is_untrained:
         print(f"note: {drafter_path} is an UNTRAINED (freshly initialised) drafter: its proposals are "
@@ -215,12 +215,13 @@ def cmd_bench(args) -> int:
     if wants_drafter and drafter_path is None:
         raise ValueError(f"method dflash needs a drafter: pass --drafter DIR (no shipped drafter "
                          f"for {args.target})")
-    target = load_target(args.target, dtype=args.dtype, fast_path=False if args.no_fast_path else None)
+    target = load_target(args.target, dtype=args.dtype, fast_path=False if args.no_fast_path else None,
+                         device=args.device)
     _warn_if_inexact(target, speculative=wants_drafter)
     drafter = load_drafter(drafter_path) if wants_drafter else None
     methods = make_methods(names, target, drafter, args.block_size,
                            load_assistant=lambda name: load_target(name, dtype=target.dtype,
-                                                                   fast_path=False))
+                                                                   fast_path=False, device=target.device))
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     config["drafter"] = str(drafter_path) if drafter is not None else None
     config["drafter_sha256"] = drafter_digest(drafter_path) if drafter is not None else None
@@ -249,7 +250,7 @@ def cmd_bench_cost(args) -> int:
     drafter_path = args.drafter or shipped_drafter(args.target)
     drafter = load_drafter(drafter_path) if drafter_path is not None else None
     target = load_target(args.target, dtype=args.dtype,
-                         fast_path=False if backends == ["default"] else None)
+                         fast_path=False if backends == ["default"] else None, device=args.device)
     result = run_cost_bench(target, drafter, kvs, args.max_q, backends, args.repeats, args.out)
     print(cost_table(result))
     print(f"wrote {args.out}/costs.md, costs.json, costs.png")
@@ -280,9 +281,16 @@ DTYPE_HELP = ("float32 (default): greedy output identical to HF generate. bfloat
               "differently and can pick another token at near-ties (README, 'bf16')")
 
 
-def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
-    """``--dtype`` for every command that loads a target (generate, bench, bench-cost, serve)."""
+DEVICE_HELP = ("where the target (and the drafter with it) runs: cpu (default), cuda or cuda:N; "
+               "on a GPU greedy output equals plain decoding's except where two logits tie to "
+               "within rounding (different kernels for one token and for a block)")
+
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--device`` for every command that loads a target (generate, bench,
+    bench-cost, serve)."""
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help=DTYPE_HELP)
+    parser.add_argument("--device", default="cpu", help=DEVICE_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -327,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=_block_size, default="auto",
                      help="tokens per verify (1 = plain decoding), or auto (default): chosen at "
                           "each step from this machine's measured costs and the running acceptance")
-    add_dtype_argument(gen)
+    add_target_arguments(gen)
     gen.add_argument("--no-fast-path", action="store_true",
                      help="use PyTorch's default CPU kernels instead of prepacked weights")
     gen.add_argument("--acceptance", choices=["match", "rejection"], default="match",
@@ -360,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="prompt subset and sampling seed (default 0)")
     bench.add_argument("--block-size", type=_block_size, default="auto",
                        help="dflash tokens per verify, or auto (default; see generate)")
-    add_dtype_argument(bench)
+    add_target_arguments(bench)
     bench.add_argument("--no-fast-path", action="store_true",
                        help="run our loops on PyTorch's default CPU kernels")
     bench.add_argument("--max-turns", type=_positive_int, help="only the first N turns (MT-Bench has 2)")
@@ -390,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--kv", default="256,2048", help="comma-separated KV lengths")
     cost.add_argument("--max-q", type=_positive_int, default=16)
     cost.add_argument("--backends", default="fast,default", help="fast, default or both")
-    add_dtype_argument(cost)
+    add_target_arguments(cost)
     cost.add_argument("--repeats", type=_positive_int, default=5)
     cost.add_argument("--out", type=Path, default=Path("bench-cost-out"))
     cost.set_defaults(func=cmd_bench_cost)

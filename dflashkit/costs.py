@@ -37,13 +37,27 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def median_ms(fn, repeats: int = 5, warmup: int = 2) -> float:
+def device_model(device: torch.device | str = "cpu") -> str:
+    """What runs the passes: the CPU's model name, or the GPU's."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued GPU work, so a timer measures the work and not its launch."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, repeats: int = 5, warmup: int = 2, device: torch.device | str = "cpu") -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        synchronize(device)
         t = time.perf_counter()
         fn()
+        synchronize(device)
         times.append((time.perf_counter() - t) * 1000)
     return statistics.median(times)
 
@@ -120,16 +134,18 @@ def measure_step_verify_rounds(target, qs: list[int], kv_length: int, capture: l
     ~12 ms per extra row."""
     g = torch.Generator().manual_seed(0)
     low, vocab = min(100, target.num_embeddings // 4), min(target.num_embeddings, 20000)
-    cache = target.new_cache()
-    target.forward(torch.randint(low, vocab, (1, kv_length), generator=g), 0, cache)
-    blocks = {q: torch.randint(low, vocab, (1, q), generator=g) for q in qs}
+    cache, device = target.new_cache(), target.device
+    target.forward(torch.randint(low, vocab, (1, kv_length), generator=g).to(device), 0, cache)
+    blocks = {q: torch.randint(low, vocab, (1, q), generator=g).to(device) for q in qs}
     times: dict[int, list[float]] = {q: [] for q in qs}
     for r in range(rounds + 1):          # round 0 warms up
         for q in qs:
+            synchronize(device)
             t = time.perf_counter()
             out = target.forward(blocks[q], kv_length, cache, capture=capture)
             if acceptance:
                 out.logits[0].argmax(-1).tolist()
+            synchronize(device)
             elapsed = (time.perf_counter() - t) * 1e3
             target.rollback(cache, kv_length)
             if r:
@@ -208,17 +224,18 @@ def measure_draft_ms(target, drafter, kv_length: int, num_slots: int | None = No
     width = len(proposer.feature_layers) * target.hidden_size
     g = torch.Generator().manual_seed(0)
     proposer.begin()
-    committed = torch.randint(0, min(1000, target.num_embeddings), (kv_length + 1,), generator=g)
+    device = target.device
+    committed = torch.randint(0, min(1000, target.num_embeddings), (kv_length + 1,), generator=g).to(device)
     proposer.propose(committed[:kv_length - new_context + 1],
-                     torch.randn(1, kv_length - new_context, width, generator=g).to(target.dtype),
+                     torch.randn(1, kv_length - new_context, width, generator=g).to(device, target.dtype),
                      slots, SamplingConfig(), None)
     base = proposer.cache.length
-    feats = torch.randn(1, new_context, width, generator=g).to(target.dtype)
+    feats = torch.randn(1, new_context, width, generator=g).to(device, target.dtype)
 
     def step():
         proposer.propose(committed, feats, slots, SamplingConfig(), None)
         proposer.cache.crop(base)
-    return median_ms(step, repeats=repeats)
+    return median_ms(step, repeats=repeats, device=device)
 
 
 @dataclass
@@ -298,7 +315,7 @@ def _cache_key(target, drafter_id: str, max_q: int, kv_length: int) -> str:
     from .fastpath import packed_min_rows     # which kernel runs 1-3 rows changes the curve
     ident = json.dumps([target.name, target.config.to_dict().get("num_hidden_layers"),
                         target.hidden_size, "fast" if target.fast_path else "default",
-                        str(target.dtype), drafter_id, max_q, kv_length, torch.get_num_threads(), cpu_model(),
+                        str(target.dtype), drafter_id, max_q, kv_length, torch.get_num_threads(), device_model(target.device),
                         cpu_features(), os.cpu_count(), torch.__version__, transformers.__version__,
                         target.model.config._attn_implementation, packed_min_rows(), CURVE_VERSION])
     return hashlib.sha1(ident.encode()).hexdigest()[:16]

@@ -49,7 +49,7 @@ class DFlashProposer:
         if target.fast_path:   # pack a copy: the caller's drafter stays trainable
             drafter = copy.deepcopy(drafter).to(target.dtype).eval().requires_grad_(False)
             pack_linears(drafter)
-        self.drafter = drafter.to(target.dtype).eval()
+        self.drafter = drafter.to(device=target.device, dtype=target.dtype).eval()   # follows the target
         self.target = target
         self.feature_layers = drafter.target_layer_ids
         self.cache: ContextCache | None = None

@@ -96,7 +96,8 @@ def run_data_stage(cfg: PipelineConfig, target=None, progress: bool = True) -> P
     if meta.exists():
         print(f"data: complete ({json.loads(meta.read_text())['num_samples']} samples) in {cfg.data_dir}")
         return cfg.data_dir
-    target = target or load_target(cfg.target, dtype=cfg.data.dtype, progress=progress)
+    target = target or load_target(cfg.target, dtype=cfg.data.dtype, progress=progress,
+                                   device=cfg.data.device)
     if not cfg.data.feature_layers:
         from .drafter import default_target_layer_ids
         cfg.data.feature_layers = default_target_layer_ids(target.num_layers, 5)
@@ -122,7 +123,8 @@ def run_teacher_stage(cfg: PipelineConfig, target=None, forced: bool = False,
         print(f"teacher: complete ({len(records)} samples) in {cfg.data_dir}")
         return 0
     from .target import load_target
-    target = target or load_target(cfg.target, dtype=cfg.data.dtype, progress=progress)
+    target = target or load_target(cfg.target, dtype=cfg.data.dtype, progress=progress,
+                                   device=cfg.data.device)
     k = cfg.data.teacher_top_k or 16
     return backfill(target, cfg.data_dir, records, k, per_shard=per_shard, progress=progress)
 

@@ -61,6 +61,9 @@ class DataConfig:
     # "bfloat16" regenerates on the bf16 fast path (CPUs with AMX): ~118 vs ~93 tokens/s here;
     # the text can differ from fp32 greedy decoding only where two logits tie.
     dtype: str = "float32"
+    # where the target runs: auto (a GPU when torch sees one, else the CPU), cpu, cuda or cuda:N.
+    # Not in DATA_KEYS: like the batch size, it changes only kernel rounding where logits tie.
+    device: str = "auto"
     # Samples an earlier data stage made: its data folder, its samples.jsonl, or a JSONL(.gz)
     # archive (data/). A prompt found there keeps its response; its features are copied from
     # the folder's feature store when that holds the same layers made in the same dtype, and
@@ -153,13 +156,14 @@ def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, s
     features of every token fed to the target, and the distribution each response token was
     picked from, are kept from the same pass.
     """
-    pad = target.pad_token_id() or 0
+    pad, device = target.pad_token_id() or 0, target.device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     layers = cfg.feature_layers if cfg.store_features else []
     responses: list[list[int]] = [[] for _ in prompts]
@@ -190,22 +194,23 @@ def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, s
             if len(keep) < len(alive):
                 if not keep:
                     break
-                rows = torch.tensor(keep)
+                rows = torch.tensor(keep, device=device)
                 cache.batch_select_indices(rows)
                 mask, positions = mask[rows], positions[rows]
                 alive = [alive[k] for k in keep]
-            inputs = torch.tensor([[responses[i][-1]] for i in alive])
-            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype)], dim=1)
+            inputs = torch.tensor([[responses[i][-1]] for i in alive], device=device)
+            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=mask.dtype, device=device)], dim=1)
             positions = positions[:, -1:] + 1
     rows = []
     for i, p in enumerate(prompts):
-        # features of tokens 0 .. n-2: every token except the last one was fed to the target
-        f = torch.cat(feats[i], dim=0).clone() if layers else None
+        # features of tokens 0 .. n-2: every token except the last one was fed to the target;
+        # stored from the CPU whatever device made them
+        f = torch.cat(feats[i], dim=0).cpu() if layers else None
         if f is not None and f.shape[0] != len(p) + len(responses[i]) - 1:
             raise AssertionError("feature rows out of step with the tokens")
         teacher = None
         if cfg.teacher_top_k:
-            teacher = (torch.stack([d[0] for d in dists[i]]), torch.stack([d[1] for d in dists[i]]))
+            teacher = (torch.stack([d[0] for d in dists[i]]).cpu(), torch.stack([d[1] for d in dists[i]]).cpu())
         rows.append((responses[i], f, teacher))
     return rows
 
@@ -224,12 +229,12 @@ def _replay_batch(target: Target, samples: list[tuple[list[int], list[int], dict
             f = store.get(old)[:len(prompt) + len(response) - 1].clone()
             rows.append((response, f, None))
             continue
-        ids = torch.tensor([prompt + response])
+        ids = torch.tensor([prompt + response], device=target.device)
         out = target.forward(ids[:, :-1], 0, None, capture=layers, last_only=not cfg.teacher_top_k)
-        f = out.features[0].to(torch.bfloat16).clone() if layers else None
+        f = out.features[0].to("cpu", torch.bfloat16, copy=True) if layers else None
         teacher = None
         if cfg.teacher_top_k:   # response token i was picked from the logits at len(prompt)-1+i
-            teacher = top_logprobs(out.logits[0, len(prompt) - 1:], cfg.teacher_top_k)
+            teacher = tuple(t.cpu() for t in top_logprobs(out.logits[0, len(prompt) - 1:], cfg.teacher_top_k))
         rows.append((response, f, teacher))
     return rows
 

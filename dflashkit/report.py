@@ -499,7 +499,7 @@ def write_report(out_dir: Path, records: list[Record], run: dict, config: dict, 
           f"{run['num_prompts']} prompts per suite, max {run['max_new_tokens']} new tokens, temperature "
           f"{sampling.temperature}, seed {run['seed']}"
           f"{f', first {max_turns} turn(s) of each prompt only' if max_turns else ''}. "
-          f"{_dtype_name(run['dtype'])} weights. {env['cpu']}, {env['torch_threads']} threads, "
+          f"{_dtype_name(run['dtype'])} weights. {_machine(env)}, "
           f"torch {env['torch']}, transformers {env['transformers']}.{_resumes(env, run)}\n\n"
           f"Cells: tau (mean tokens committed per target pass, pooled over the suite's steps; "
           f"1.00 for `ar-loop` by construction), decode tokens/s, pooled decode "
@@ -540,6 +540,13 @@ def load_run_folder(out_dir: Path) -> dict:
     config = json.loads(summary_file.read_text()).get("config", run) if summary_file.exists() else run
     return {"run": run, "environment": json.loads(env_file.read_text()), "records": records,
             "config": config, "expected": turns * len(run["methods"])}
+
+
+def _machine(env: dict) -> str:
+    """Where the passes ran: the GPU when there was one, else the CPU and its threads."""
+    if env.get("gpu"):
+        return f"{env['gpu']} (GPU; host {env['cpu']})"
+    return f"{env['cpu']}, {env['torch_threads']} threads"
 
 
 def report_from_folder(out_dir: Path) -> dict:

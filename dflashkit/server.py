@@ -48,6 +48,7 @@ class ServerConfig:
     block_size: int | str | None = None    # "auto", or default: the drafter's (1 without one)
     fast_path: bool = True                 # prepacked CPU kernels where available (fastpath.py)
     dtype: str = "float32"                 # or bfloat16 (AMX CPUs; README "bf16")
+    device: str = "cpu"                    # or cuda / cuda:N: where the target and drafter run
     max_queue: int = 16                    # waiting requests; one more gets 429
     max_batch: int = 8                     # requests decoded together (1 = one at a time); 8 won
                                            # the load test (benchmarks/loadtest/, README)
@@ -404,11 +405,12 @@ class Engine:
     def from_config(cls, cfg: ServerConfig) -> "Engine":
         """Load the drafter first (a bad folder fails in a second), then the target."""
         from .checkpoint import load_drafter
-        from .target import inexact_bf16_warning, load_target
+        from .target import inexact_output_warning, load_target
         drafter = load_drafter(cfg.drafter) if cfg.drafter else None
-        target = load_target(cfg.target, dtype=cfg.dtype, fast_path=None if cfg.fast_path else False)
-        if drafter is not None and inexact_bf16_warning(target):
-            log.warning("%s", inexact_bf16_warning(target))
+        target = load_target(cfg.target, dtype=cfg.dtype, fast_path=None if cfg.fast_path else False,
+                             device=cfg.device)
+        if drafter is not None and inexact_output_warning(target):
+            log.warning("%s", inexact_output_warning(target))
         if drafter is not None and drafter.is_untrained:
             log.warning("%s is an UNTRAINED drafter: expect almost no accepted tokens", cfg.drafter)
         return cls(target, drafter, cfg.block_size, cfg.model_name or cfg.target, cfg.max_queue,
@@ -950,7 +952,7 @@ def serve(cfg: ServerConfig) -> None:
 def cmd_serve(args) -> int:
     serve(ServerConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
                        api_key=args.api_key, max_queue=args.max_queue, fast_path=not args.no_fast_path,
-                       dtype=args.dtype,
+                       dtype=args.dtype, device=args.device,
                        max_batch=args.max_batch,
                        block_size=args.block_size if args.block_size is not None else (
                            "auto" if args.drafter else None),
@@ -968,7 +970,7 @@ def _positive_float(text: str) -> float:
 
 def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` on a subparsers object (``set_defaults(func=cmd_serve)``)."""
-    from .cli import _block_size, _positive_int, add_dtype_argument
+    from .cli import _block_size, _positive_int, add_target_arguments
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with speculative decoding",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="registry name or local Hugging Face folder")
@@ -980,7 +982,7 @@ def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
                    help="tokens per verify pass (1 = plain decoding), or auto (the default with a "
                         "drafter): chosen per step from this machine's measured costs")
     p.add_argument("--no-fast-path", action="store_true", help="PyTorch's default CPU kernels")
-    add_dtype_argument(p)
+    add_target_arguments(p)
     p.add_argument("--max-batch", type=_positive_int, default=ServerConfig.max_batch,
                    help="requests waiting together are decoded together, up to this many "
                         "(1 = one at a time)")

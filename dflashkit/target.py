@@ -303,14 +303,43 @@ def resolve_mask_token_id(tokenizer, num_embeddings: int, forbidden: list[int] =
     return max(candidates)
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a torch.device that exists here: "cpu" (the default), "cuda", "cuda:N" or
+    "auto" (a GPU when torch sees one).
+    Checked before a model loads, so a typo costs a second, not a minute."""
+    if device is None:
+        return torch.device("cpu")
+    if device == "auto":
+        return resolve_device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise TargetError(f"--device {device!r} is not a device: use cpu, cuda, cuda:N or auto") from e
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise TargetError(f"--device {device}: dflashkit runs targets on cpu or cuda only")
+    if not torch.cuda.is_available():
+        raise TargetError(f"--device {device}: this PyTorch build sees no CUDA GPU "
+                          f"(torch {torch.__version__}, torch.cuda.is_available() is False); "
+                          f"use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise TargetError(f"--device {device}: only {torch.cuda.device_count()} CUDA GPU(s) here "
+                          f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
 def load_target(name_or_path: str | Path, dtype: torch.dtype | str | None = None,
-                progress: bool = True, fast_path: bool | None = None) -> Target:
+                progress: bool = True, fast_path: bool | None = None,
+                device: str | torch.device | None = None) -> Target:
     """Load a target by registry name (prepared offline from PyPI) or local HF folder.
 
     ``dtype``: None = float32; "bfloat16" for the bf16 fast path on CPUs with AMX (fastpath.py).
-    ``fast_path``: prepacked CPU kernels; None = on where available.
+    ``fast_path``: prepacked CPU kernels; None = on where available (never on a GPU).
+    ``device``: "cpu" (None) or a CUDA GPU; the drafter follows the target there.
     """
     dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
     from .models import resolve_model
     path = resolve_model(str(name_or_path), progress=progress)
     tokenizer = None
@@ -319,20 +348,26 @@ def load_target(name_or_path: str | Path, dtype: torch.dtype | str | None = None
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as e:
             raise TargetError(f"{path}: the tokenizer failed to load: {e}") from e
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     return Target(model, tokenizer, name=str(name_or_path), fast_path=fast_path)
 
 
-def inexact_bf16_warning(target: "Target") -> str | None:
-    """Why speculative output in bf16 may differ from plain decoding, when it may: without the
-    fast path (no AMX, or switched off) verify passes and one-token steps run different
-    kernels, whose roundings differ where two logits tie. None when outputs are exact."""
+def inexact_output_warning(target: "Target") -> str | None:
+    """Why speculative greedy output may differ from plain decoding, when it may: a verify pass
+    over several tokens and a one-token step run different kernels (bf16 without the CPU fast
+    path; any dtype on a GPU, where cuBLAS picks kernels by shape), whose roundings differ where
+    two logits tie. None when outputs are exact (fp32 on the CPU, or the fast path)."""
+    if target.device.type == "cuda" and target.dtype != torch.float64:
+        return (f"warning: {target.name} runs on {target.device}: a verify pass and a one-token "
+                f"step may use different GPU kernels that round differently, so greedy speculative "
+                f"output may differ from plain decoding where two logits tie to within rounding "
+                f"(the CPU in float32 is exact)")
     if target.dtype == torch.float32 or target.fast_path:
         return None
     return (f"warning: {target.name} runs in {str(target.dtype).removeprefix('torch.')} without the "
             f"fast path, so a verify pass and a one-token step may round differently and greedy "
             f"speculative output may differ from plain decoding where two logits tie; use "
-            f"--dtype float32 (exact everywhere) or the bf16 fast path (a CPU with AMX)")
+            f"--dtype float32 (exact everywhere on a CPU) or the bf16 fast path (a CPU with AMX)")
 
 
 class TargetHead(TargetInfo):

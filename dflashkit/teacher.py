@@ -91,8 +91,9 @@ def response_logprobs(target, record: dict, k: int) -> tuple[torch.Tensor, torch
     but one."""
     ids = record["input_ids"]
     n = len(ids) - record["prompt_len"]
-    out = target.model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=n + 1)
-    return top_logprobs(out.logits[0, :n], k)
+    out = target.model(input_ids=torch.tensor([ids], device=target.device), use_cache=False,
+                       logits_to_keep=n + 1)
+    return tuple(t.cpu() for t in top_logprobs(out.logits[0, :n], k))
 
 
 def backfill(target, data_dir: str | Path, records: list[dict], k: int, per_shard: int = 32,

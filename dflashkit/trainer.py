@@ -227,7 +227,8 @@ class Trainer:
                              f"{self.feature_layers}; pick from those or use train.features: online")
         self.columns = [self.feature_layers.index(j) for j in layer_ids] if cfg.features == "stored" else None
         if cfg.features == "online":
-            self.target = load_target(target_name, progress=False)
+            # straight onto the device: a CPU target's packed fast-path weights cannot move
+            self.target = load_target(target_name, progress=False, device=self.device)
             self.head = self.target
             self.embed, head_weight = self.target.embed, self.target.lm_head.weight
         else:
@@ -286,9 +287,7 @@ class Trainer:
         # everything a step touches lives on the device; records and stored features stay on
         # the CPU and move one sequence at a time
         self.drafter.to(self.device)
-        if cfg.features == "online":
-            self.target.model.to(self.device)
-        else:
+        if cfg.features != "online":
             self.head.embedding.to(self.device)
         self.vocab_index = vocabulary_index(self.vocab, vocab).to(self.device)
         self.head_rows = head_weight[self.vocab].contiguous().to(self.device)

@@ -172,6 +172,55 @@ def test_sampling_config_validation():
             SamplingConfig(**bad)
 
 
+def test_a_bad_device_is_refused_before_a_model_loads(capsys):
+    """--device / load_target(device=...): a clear error, not a traceback from deep in torch,
+    and before the minute a model takes to load."""
+    from dflashkit.cli import main
+    from dflashkit.target import TargetError, resolve_device
+    assert resolve_device(None) == torch.device("cpu") == resolve_device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(TargetError, match="is not a device: use cpu, cuda, cuda:N or auto"):
+        resolve_device("gpu0")
+    with pytest.raises(TargetError, match="cpu or cuda only"):
+        resolve_device("meta")
+    if torch.cuda.is_available():
+        with pytest.raises(TargetError, match=r"only \d+ CUDA GPU\(s\) here"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(TargetError, match="sees no CUDA GPU"):
+            resolve_device("cuda")
+    code = main(["generate", "--target", "/nonexistent/target", "--block-size", "1",
+                 "--prompt", "x", "--device", "cuda:x"])
+    assert code == 2 and "--device 'cuda:x' is not a device" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda)")
+def test_a_target_loaded_onto_a_gpu_takes_the_drafter_with_it(tmp_path):
+    """load_target(device="cuda") (what --device cuda does in generate, bench and serve):
+    the weights go straight to the GPU (the CPU's packed fast-path weights could not move),
+    a drafter made on the CPU follows the target there, greedy output is transformers' own on
+    that GPU, and the adaptive policy's cost curve times GPU passes (synchronised)."""
+    from dflashkit.costs import cost_curve
+    from dflashkit.decoding import DFlashProposer
+    from dflashkit.target import load_target
+    tiny_target("qwen2", seed=6, temperature_scale=3.0).model.save_pretrained(tmp_path / "target")
+    target = load_target(tmp_path / "target", progress=False, device="cuda")
+    assert target.device.type == "cuda" and not target.fast_path
+    drafter = init_drafter(config_for_target(target, num_layers=2, block_size=8, mask_token_id=MASK),
+                           seed=6)
+    g = torch.Generator().manual_seed(6)
+    for _ in range(4):
+        prompt = torch.randint(3, VOCAB - 2, (int(torch.randint(1, 24, (1,), generator=g)),),
+                               generator=g).tolist()
+        res = speculative_generate(target, drafter, prompt, max_new_tokens=40, block_size=8,
+                                   stop_token_ids=[])
+        assert res.tokens == hf_greedy(target, prompt, 40, eos=None)
+    assert next(drafter.parameters()).is_cuda
+    curve = cost_curve(target, DFlashProposer(drafter, target), max_q=4, kv_length=64, rounds=3,
+                       use_cache=False)
+    assert all(ms > 0 for ms in curve.verify_ms.values()) and curve.draft_ms > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda)")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_greedy_on_a_gpu_equals_hf_generate_there(dtype):

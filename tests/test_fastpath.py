@@ -199,17 +199,17 @@ def test_dtype_names_resolve_and_bad_ones_say_what_to_choose():
 
 
 def test_bf16_without_the_fast_path_is_flagged_as_inexact():
-    from dflashkit.target import inexact_bf16_warning
+    from dflashkit.target import inexact_output_warning
     fp32 = tiny_target("qwen2", seed=3)
-    assert inexact_bf16_warning(fp32) is None
+    assert inexact_output_warning(fp32) is None
     fp32.set_fast_path(False)
-    assert inexact_bf16_warning(fp32) is None                 # fp32: every kernel agrees
+    assert inexact_output_warning(fp32) is None                 # fp32: every kernel agrees
     bf16 = tiny_target("qwen2", seed=3, dtype=torch.bfloat16)
     bf16.set_fast_path(False)
-    assert "may differ from plain decoding" in inexact_bf16_warning(bf16)
+    assert "may differ from plain decoding" in inexact_output_warning(bf16)
     if bf16_fast():
         bf16.set_fast_path(True)
-        assert inexact_bf16_warning(bf16) is None
+        assert inexact_output_warning(bf16) is None
 
 
 @pytest.mark.skipif(not bf16_fast(), reason="this CPU has no bf16 matrix arithmetic (AMX)")

@@ -610,6 +610,46 @@ def test_training_on_a_gpu_follows_the_cpu(tiny_run, attention):
     assert torch.cuda.get_device_name() in (out / "README.md").read_text()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda)")
+def test_online_features_on_a_gpu_follow_the_cpu(tiny_run):
+    """features: online with train.device: cuda loads the target straight onto the GPU (a CPU
+    target's packed fast-path weights cannot move) and trains as the CPU does."""
+    root, _ = tiny_run
+    cpu, _ = _logged_losses(root, "online-cpu", device="cpu", features="online", max_steps=2)
+    gpu, trainer = _logged_losses(root, "online-gpu", device="cuda", features="online", max_steps=2)
+    assert trainer.target.device.type == "cuda"
+    assert gpu == pytest.approx(cpu, rel=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda)")
+def test_data_stage_on_a_gpu_makes_the_cpus_samples(tiny_run, tmp_path):
+    """data.device: cuda regenerates on the GPU (batched, rows leaving early) and stores what the
+    CPU run stored: the same responses, features and teacher distributions to float tolerance,
+    written from the CPU."""
+    from dflashkit.target import load_target
+    from dflashkit.teacher import TeacherStore
+    root, _ = tiny_run
+    target = load_target(root / "target", progress=False, device="cuda")
+    cfg = DataConfig(out_dir=str(tmp_path / "data"), max_new_tokens=20, batch_size=4,
+                     feature_layers=LAYERS, device="cuda")
+    regenerate(target, _prompts(20), cfg, progress=False)
+    cpu_dir = root / "run" / "data"
+    cpu_records = {r["id"]: r for r in read_samples(cpu_dir)}
+    gpu_records = read_samples(tmp_path / "data")
+    assert len(gpu_records) == len(cpu_records) == 20
+    cpu_store, gpu_store = FeatureStore(cpu_dir), FeatureStore(tmp_path / "data")
+    cpu_teacher, gpu_teacher = TeacherStore(cpu_dir), TeacherStore(tmp_path / "data")
+    for rec in gpu_records:
+        ref = cpu_records[rec["id"]]
+        assert rec["input_ids"] == ref["input_ids"]
+        f = gpu_store.get(rec)
+        assert f.device.type == "cpu"
+        torch.testing.assert_close(f.float(), cpu_store.get(ref).float(), atol=0.05, rtol=0.02)
+        (ids, logp), (ref_ids, ref_logp) = gpu_teacher.get(rec["id"]), cpu_teacher.get(ref["id"])
+        assert torch.equal(ids[:, 0], ref_ids[:, 0])
+        torch.testing.assert_close(logp[:, 0].float(), ref_logp[:, 0].float(), atol=2e-2, rtol=1e-2)
+
+
 def _logged_losses(root: Path, name: str, **train):
     """Train the tiny run in-process; returns (losses from log.csv, the trainer)."""
     from dflashkit.pipeline import load_config
