@@ -103,7 +103,8 @@ def run_data_stage(cfg: PipelineConfig, target=None, progress: bool = True) -> P
         cfg.data.feature_layers = default_target_layer_ids(target.num_layers, 5)
     d = cfg.data
     prompts = training_prompts(d.num_code, d.num_math, d.num_chat, seed=d.seed, num_docs=d.num_docs,
-                               num_apis=d.num_apis, num_pkgs=d.num_pkgs)
+                               num_apis=d.num_apis, num_pkgs=d.num_pkgs,
+                               num_meths=d.num_meths)
     return regenerate(target, prompts, d, progress=progress)
 
 

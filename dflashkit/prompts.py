@@ -226,6 +226,76 @@ def package_code_prompts() -> list[dict]:
     return [p for p in pool if p["id"].rsplit(".", 1)[1] not in taken]
 
 
+@_built_once
+def method_code_prompts() -> list[dict]:
+    """The pool after the function pools, which the data parts 1-9 used up: methods of the
+    public classes of every module those pools walked, each asked inside its class (the
+    class's first docstring paragraph kept as context). A method is asked once per class and
+    only with its own docstring (an inherited one would repeat the base class's prompt), and
+    a docstring is asked once (twins in sibling classes are skipped)."""
+    stdlib = sorted(m for m in sys.stdlib_module_names if not m.startswith("_") and m not in _STDLIB_SKIPPED)
+    modules = sorted({m for name in stdlib for m in _walk(name)})
+    modules += sorted(m for package in LIBRARY_PACKAGES for m in _walk(package))
+    modules += sorted(m for package in API_PACKAGES for m in _walk(package, private=True))
+    modules += sorted(m for package in MORE_PACKAGES
+                      for m in _walk(package, private=not package.startswith(("torch", "transformers")))
+                      if m not in _PACKAGE_MODULES_SKIPPED)
+    return _method_prompts(list(dict.fromkeys(modules)), max_doc=1800)
+
+
+def _quiet_import(mod_name: str):
+    """The module, or None when it cannot be imported here (optional submodules with missing
+    extras); what it prints or warns on import is swallowed."""
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            return importlib.import_module(mod_name)
+    except Exception:
+        return None
+
+
+def _defined_in(mod_name: str, kind) -> list[tuple[str, object]]:
+    """The module's public objects of a kind (``inspect.isfunction``, ``inspect.isclass``)
+    that it defines itself (not re-exports), by name; none when it cannot be imported."""
+    mod = _quiet_import(mod_name)
+    if mod is None:
+        return []
+    return [(name, obj) for name, obj in sorted(vars(mod).items())
+            if not name.startswith("_") and kind(obj) and obj.__module__ == mod.__name__]
+
+
+def _method_prompts(module_names, max_doc: int) -> list[dict]:
+    out, seen_docs = [], set()
+    for mod_name in module_names:
+        for cls_name, cls in _defined_in(mod_name, inspect.isclass):
+            class_doc = inspect.cleandoc(cls.__doc__) if isinstance(cls.__doc__, str) else ""
+            class_doc = class_doc.split("\n\n")[0].strip()[:400]
+            for name, member in sorted(vars(cls).items()):
+                if name.startswith("_") or not inspect.isfunction(member):
+                    continue
+                own = member.__doc__ if isinstance(member.__doc__, str) else ""
+                doc = inspect.cleandoc(own) if own else ""
+                if not 60 <= len(doc) <= max_doc or doc in seen_docs:
+                    continue
+                try:
+                    sig = without_addresses(str(stable_signature(member)))
+                except (TypeError, ValueError):
+                    continue
+                if not sig.startswith(("(self", "(cls")):
+                    continue   # a plain function stored on a class: not a method call shape
+                seen_docs.add(doc)
+                head = f"class {cls_name}:\n"
+                if class_doc and '"""' not in class_doc:
+                    head += textwrap.indent(f'"""{class_doc}"""', "    ") + "\n\n"
+                body = textwrap.indent(f'"""{doc}\n"""', "        ")
+                code = f"{head}    def {name}{sig}:\n{body}\n"
+                out.append({"id": f"meth-{mod_name}.{cls_name}.{name}", "source": "method-docstrings",
+                            "kind": "meths",
+                            "messages": [{"role": "user",
+                                          "content": f"{CODE_INSTRUCTION}\n```python\n{code}```"}]})
+    return out
+
+
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -282,18 +352,9 @@ def stable_signature(func) -> inspect.Signature:
 def _docstring_prompts(module_names, prefix: str, source: str, kind: str, max_doc: int) -> list[dict]:
     """One prompt per public function defined in the module with a 60..max_doc character
     docstring and a signature; a name is used once (re-exports and twins are skipped)."""
-    import warnings
     out, seen = [], set()
     for mod_name in module_names:
-        try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-                warnings.simplefilter("ignore")   # some modules print or warn on import
-                mod = importlib.import_module(mod_name)
-        except Exception:  # optional submodules with missing extras
-            continue
-        for name, obj in sorted(vars(mod).items()):
-            if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != mod.__name__:
-                continue
+        for name, obj in _defined_in(mod_name, inspect.isfunction):
             doc = inspect.getdoc(obj) or ""
             if not 60 <= len(doc) <= max_doc or name in seen:
                 continue
@@ -332,7 +393,8 @@ def math_prompts(n: int, seed: int = TRAIN_MATH_SEED, families=_TRAIN_MATH_FAMIL
 
 
 def training_prompts(num_code: int, num_math: int, num_chat: int, seed: int = 0,
-                     num_docs: int = 0, num_apis: int = 0, num_pkgs: int = 0) -> list[dict]:
+                     num_docs: int = 0, num_apis: int = 0, num_pkgs: int = 0,
+                     num_meths: int = 0) -> list[dict]:
     """A seeded, proportionally interleaved mix. Each pool is shuffled once, independently of
     the counts, so a smaller request is a subset of a larger one (a run can be resized, and a
     new pool added, without changing what the others contribute)."""
@@ -344,9 +406,10 @@ def training_prompts(num_code: int, num_math: int, num_chat: int, seed: int = 0,
         "docs": library_code_prompts() if num_docs else [],
         "apis": api_code_prompts() if num_apis else [],
         "pkgs": package_code_prompts() if num_pkgs else [],
+        "meths": method_code_prompts() if num_meths else [],
     }
     counts = {"code": num_code, "math": num_math, "chat": num_chat, "docs": num_docs, "apis": num_apis,
-              "pkgs": num_pkgs}
+              "pkgs": num_pkgs, "meths": num_meths}
     for kind, pool in pools.items():
         random.Random(f"{seed}-{kind}").shuffle(pool)
         if counts[kind] > len(pool):

@@ -49,6 +49,7 @@ class DataConfig:
     num_docs: int = 0        # HumanEval-shaped library functions (prompts.library_code_prompts)
     num_apis: int = 0        # the same from more of the stdlib and packages (prompts.api_code_prompts)
     num_pkgs: int = 0        # the same from still more packages (prompts.package_code_prompts)
+    num_meths: int = 0       # methods of those modules' classes (prompts.method_code_prompts)
     seed: int = 0
     max_prompt_tokens: int = 640
     max_new_tokens: int = 320
@@ -82,13 +83,13 @@ class DataConfig:
 
 # what changes the samples (out_dir does not; batch size changes only kernel rounding, where two
 # logits tie, as a thread count does)
-DATA_KEYS = ("num_code", "num_math", "num_chat", "num_docs", "num_apis", "num_pkgs", "seed", "max_prompt_tokens",
+DATA_KEYS = ("num_code", "num_math", "num_chat", "num_docs", "num_apis", "num_pkgs", "num_meths", "seed", "max_prompt_tokens",
              "max_new_tokens", "feature_layers", "store_features", "teacher_top_k", "dtype",
              "import_samples", "import_only", "exclude_samples")
 
 
 DATA_DEFAULTS = {"import_samples": None, "import_only": False, "exclude_samples": None, "num_apis": 0,
-                 "num_pkgs": 0}   # keys added later: folders made before lack them
+                 "num_pkgs": 0, "num_meths": 0}   # keys added later: folders made before lack them
 
 
 class DataMismatch(ValueError):

