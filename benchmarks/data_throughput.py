@@ -4,8 +4,9 @@ against one forward pass over a finished sample (imported samples, `data.import_
     .venv/bin/python benchmarks/data_throughput.py --dtypes float32,bfloat16 --rounds 2
 
 Both dtypes are loaded once and measured alternately, round by round, on the same prompts
-(training prompts of `configs/experiments/data-v2.yaml`'s mix that the committed archive does
-not hold; its first samples for the forward pass), so machine drift hits both alike. Prints
+(training prompts of the config's mix that its `data.import_samples` do not hold, by default
+`configs/experiments/part-10.yaml` and the committed archive part 10; their first samples for the
+forward pass), so machine drift hits both alike. Prints
 tokens/s per round and the median; a data stage is about `generated tokens / generation rate
 + imported tokens / forward rate` long.
 
@@ -20,11 +21,10 @@ builds a model of the same shapes with random weights and feeds it random prompt
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 import time
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,13 +34,13 @@ from dflashkit.drafter import default_target_layer_ids
 from dflashkit.fastpath import resolve_dtype
 from dflashkit.pipeline import load_config
 from dflashkit.prompts import training_prompts
-from dflashkit.regenerate import DataConfig, _generate_batch, _replay_batch
+from dflashkit.regenerate import DataConfig, _generate_batch, _replay_batch, read_import, sources
 from dflashkit.target import Target, load_target, resolve_device
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="configs/experiments/data-v2.yaml")
+    ap.add_argument("--config", default="configs/experiments/part-10.yaml")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batch", type=int, default=24, help="rows generated together")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
@@ -79,11 +79,12 @@ def real_setup(args):
     """The config's target (one per dtype), fresh prompts of its mix, archived samples."""
     cfg = load_config(args.config)
     d = cfg.data
-    with gzip.open(d.import_samples, "rt") as f:
-        archive = [json.loads(line) for line in f]
+    if not d.import_samples:
+        raise SystemExit(f"{args.config}: data.import_samples is empty; the forward rate needs finished samples")
+    archive = [r for source in sources(d.import_samples) for r in read_import(source).values()]
     held = {r["id"] for r in archive}
     mix = training_prompts(d.num_code, d.num_math, d.num_chat, seed=d.seed, num_docs=d.num_docs,
-                           num_apis=d.num_apis, num_pkgs=d.num_pkgs)
+                           num_apis=d.num_apis, num_pkgs=d.num_pkgs, num_meths=d.num_meths)
     fresh = [p for p in mix if p["id"] not in held][:args.batch]
     targets = {name: load_target(cfg.target, dtype=name, progress=False, device=args.device)
                for name in args.dtypes.split(",")}
