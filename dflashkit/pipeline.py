@@ -41,7 +41,8 @@ class PipelineConfig:
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
     train: TrainConfig = field(default_factory=TrainConfig)
     export_dir: str | None = None
-    shared_data_dir: str | None = None    # train on another run's data (comparing recipes)
+    # train on another run's data (comparing recipes), or on several runs' data together
+    shared_data_dir: str | list[str] | None = None
     raw: dict = field(default_factory=dict)
 
     @property
@@ -53,8 +54,17 @@ class PipelineConfig:
         return Path(self.export_dir) if self.export_dir else Path(self.run_dir) / "drafter"
 
     @property
+    def data_dirs(self) -> list[Path]:
+        if not self.shared_data_dir:
+            return [Path(self.run_dir) / "data"]
+        if isinstance(self.shared_data_dir, (list, tuple)):
+            return [Path(d) for d in self.shared_data_dir]
+        return [Path(self.shared_data_dir)]
+
+    @property
     def data_dir(self) -> Path:
-        return Path(self.shared_data_dir) if self.shared_data_dir else Path(self.run_dir) / "data"
+        """The data folder a data or teacher stage writes (the first when training on several)."""
+        return self.data_dirs[0]
 
 
 def load_config(path: str | Path) -> PipelineConfig:
@@ -71,6 +81,19 @@ def load_config(path: str | Path) -> PipelineConfig:
     extra = sorted(set(raw) - {"target", "run_dir", "data", "drafter", "train", "export_dir", "data_dir"})
     if extra:
         raise ConfigError(f"{path}: unknown top-level keys {extra}")
+    shared = raw.get("data_dir")
+    if shared is not None:
+        several = isinstance(shared, list)
+        if not (isinstance(shared, str) and shared) and not (
+                several and shared and all(isinstance(d, str) and d for d in shared)):
+            raise ConfigError(f"{path}: data_dir must be a folder, or a list of folders to train on "
+                              f"together, got {shared!r}")
+        if several and len(shared) > 1 and "data" in raw:
+            raise ConfigError(f"{path}: data_dir lists {len(shared)} folders and the config has a data "
+                              f"section; several folders are trained on as they are (each made by its "
+                              f"own config's data stage), so remove the data section")
+        if several and len(set(shared)) != len(shared):
+            raise ConfigError(f"{path}: data_dir lists a folder twice: {shared}")
     train = _build(TrainConfig, raw.get("train"), f"{path}: train")
     train.betas = tuple(train.betas)
     cfg = PipelineConfig(target=raw["target"], run_dir=raw["run_dir"],
@@ -90,6 +113,14 @@ def run_data_stage(cfg: PipelineConfig, target=None, progress: bool = True) -> P
     from .regenerate import regenerate
     from .target import load_target
     from .regenerate import check_data_config
+    if len(cfg.data_dirs) > 1:   # several finished stages, trained on together
+        for d in cfg.data_dirs:
+            if not (d / "meta.json").exists():
+                raise ConfigError(f"data_dir: {d} is not a complete data stage (no meta.json); make "
+                                  f"it with its own config (`dflashkit train --config ... --stages "
+                                  f"data`) before training on several folders together")
+            print(f"data: complete ({json.loads((d / 'meta.json').read_text())['num_samples']} samples) in {d}")
+        return cfg.data_dir
     meta = cfg.data_dir / "meta.json"
     if not (cfg.shared_data_dir and "data" not in cfg.raw):   # another run's data, as it is
         check_data_config(cfg.data_dir, cfg.target, cfg.data)
@@ -117,27 +148,30 @@ def run_teacher_stage(cfg: PipelineConfig, target=None, forced: bool = False,
     from .teacher import TeacherStore, backfill
     if cfg.train.distill <= 0 and not forced:
         return 0
-    if not (cfg.data_dir / "meta.json").exists():
-        raise ConfigError(f"{cfg.data_dir}: the data stage is not complete; run it first (--stages data)")
-    records = read_samples(cfg.data_dir)
-    if not TeacherStore(cfg.data_dir).missing(records):
-        print(f"teacher: complete ({len(records)} samples) in {cfg.data_dir}")
-        return 0
-    from .target import load_target
-    target = target or load_target(cfg.target, dtype=cfg.data.dtype, progress=progress,
-                                   device=cfg.data.device)
-    k = cfg.data.teacher_top_k or 16
-    return backfill(target, cfg.data_dir, records, k, per_shard=per_shard, progress=progress)
+    done = 0
+    for data_dir in cfg.data_dirs:
+        if not (data_dir / "meta.json").exists():
+            raise ConfigError(f"{data_dir}: the data stage is not complete; run it first (--stages data)")
+        records = read_samples(data_dir)
+        if not TeacherStore(data_dir).missing(records):
+            print(f"teacher: complete ({len(records)} samples) in {data_dir}")
+            continue
+        from .target import load_target
+        target = target or load_target(cfg.target, dtype=cfg.data.dtype, progress=progress,
+                                       device=cfg.data.device)
+        k = cfg.data.teacher_top_k or 16
+        done += backfill(target, data_dir, records, k, per_shard=per_shard, progress=progress)
+    return done
 
 
 def _data_complete(cfg: PipelineConfig) -> bool:
-    return (cfg.data_dir / "meta.json").exists()
+    return all((d / "meta.json").exists() for d in cfg.data_dirs)
 
 
 def _teacher_complete(cfg: PipelineConfig) -> bool:
     from .regenerate import read_samples
     from .teacher import TeacherStore
-    return _data_complete(cfg) and not TeacherStore(cfg.data_dir).missing(read_samples(cfg.data_dir))
+    return _data_complete(cfg) and not any(TeacherStore(d).missing(read_samples(d)) for d in cfg.data_dirs)
 
 
 WAIT_POLL_S = 10.0
@@ -177,7 +211,7 @@ def run_stages(cfg: PipelineConfig, stages: list[str], force_teacher: bool = Fal
 def run_train_and_export(cfg: PipelineConfig, progress: bool = True, export: bool = True) -> Path | None:
     """Train (resuming from the last checkpoint) and write the interoperable drafter."""
     from .trainer import Trainer
-    trainer = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=progress)
+    trainer = Trainer(cfg.target, cfg.data_dirs, cfg.train_dir, cfg.drafter, cfg.train, progress=progress)
     trainer.fit()
     if not export:
         return None

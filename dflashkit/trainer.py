@@ -180,6 +180,41 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def data_meta(data_dirs: list[Path]) -> dict:
+    """The data stages' meta.json (the first's), after checking that the folders can train one
+    drafter together: every stage complete, the same target, the same stored layers."""
+    metas = []
+    for d in data_dirs:
+        if not (d / "meta.json").exists():
+            raise FileNotFoundError(f"{d}: the data stage is not complete (no meta.json); "
+                                    f"run `dflashkit train --config ... --stages data` first")
+        metas.append(json.loads((d / "meta.json").read_text()))
+    for d, meta in zip(data_dirs[1:], metas[1:]):
+        for key in ("target", "feature_layers", "hidden_size", "store_features"):
+            if meta.get(key) != metas[0].get(key):
+                raise ValueError(f"data_dir: {d} and {data_dirs[0]} differ in {key} ({meta.get(key)!r} "
+                                 f"vs {metas[0].get(key)!r}); folders trained together need the same "
+                                 f"target and stored feature layers")
+    return metas[0]
+
+
+def read_training_records(data_dirs: list[Path]) -> list[dict]:
+    """Every folder's samples, each marked with the folder that holds its features. A sample id
+    in two folders (the same prompt regenerated twice) trains once, from the first folder."""
+    records, seen, repeats = [], set(), 0
+    for d in data_dirs:
+        for r in read_samples(d):
+            if r["id"] in seen:
+                repeats += 1
+                continue
+            seen.add(r["id"])
+            records.append({**r, "data_dir": str(d)})
+    if repeats:
+        print(f"data: {repeats} samples appear in more than one data_dir folder; each trains once, "
+              f"from the first folder that holds it", file=sys.stderr)
+    return records
+
+
 # --- the trainer ---------------------------------------------------------------------------
 
 @dataclass
@@ -213,12 +248,9 @@ class Trainer:
             raise ValueError("train.attention: flex has no backward pass on the CPU in this torch; "
                              "use sdpa (or auto), or train on a GPU (train.device: cuda)")
         self.cfg, self.spec, self.progress = cfg, drafter_spec, progress and self.rank == 0
-        self.data_dir, self.out_dir = Path(data_dir), Path(out_dir)
-        meta_path = self.data_dir / "meta.json"
-        if not meta_path.exists():
-            raise FileNotFoundError(f"{self.data_dir}: the data stage is not complete (no meta.json); "
-                                    f"run `dflashkit train --config ... --stages data` first")
-        self.meta = json.loads(meta_path.read_text())
+        self.data_dirs = [Path(d) for d in (data_dir if isinstance(data_dir, (list, tuple)) else [data_dir])]
+        self.data_dir, self.out_dir = self.data_dirs[0], Path(out_dir)
+        self.meta = data_meta(self.data_dirs)
         self.feature_layers = list(self.meta["feature_layers"])
         layer_ids = drafter_spec.target_layer_ids or self.feature_layers
         missing = [j for j in layer_ids if j not in self.feature_layers]
@@ -234,11 +266,11 @@ class Trainer:
         else:
             self.head = load_target_head(target_name)
             self.embed, head_weight = self.head.embed, self.head.head_weight
-            self.store = FeatureStore(self.data_dir)
-        records = [r for r in read_samples(self.data_dir) if len(r["input_ids"]) - r["prompt_len"] >= 2]
+            self.stores = {str(d): FeatureStore(d) for d in self.data_dirs}
+        records = [r for r in read_training_records(self.data_dirs) if len(r["input_ids"]) - r["prompt_len"] >= 2]
         self.train_records, self.heldout_records = split_records(records, cfg.heldout)
         if not self.train_records:
-            raise ValueError(f"{self.data_dir}: no usable training samples")
+            raise ValueError(f"{', '.join(map(str, self.data_dirs))}: no usable training samples")
         dcfg = config_for_target(self.head, num_layers=drafter_spec.num_layers,
                                  block_size=drafter_spec.block_size, target_layer_ids=layer_ids,
                                  mask_token_id=drafter_spec.mask_token_id,
@@ -275,11 +307,13 @@ class Trainer:
         self.teacher = None
         if cfg.distill > 0:
             from .teacher import TeacherStore
-            self.teacher = TeacherStore(self.data_dir)
-            missing = self.teacher.missing(records)
+            self.teacher = {str(d): TeacherStore(d) for d in self.data_dirs}
+            missing = [m for d, store in self.teacher.items()
+                       for m in store.missing([r for r in records if r["data_dir"] == d])]
             if missing:
                 raise ValueError(f"train.distill needs the target's distributions for every sample; "
-                                 f"{len(missing)} of {len(records)} in {self.data_dir} have none: run "
+                                 f"{len(missing)} of {len(records)} in {', '.join(map(str, self.data_dirs))} "
+                                 f"have none: run "
                                  f"`dflashkit train --config ... --stages teacher` (one forward pass "
                                  f"per sample), or set train.distill: 0")
         if cfg.autocast not in ("float32", "bfloat16"):
@@ -312,7 +346,7 @@ class Trainer:
                               self.drafter.mask_token_id, self.gamma)
         if self.teacher is not None:   # the target's distribution at every label position
             from .teacher import sequence_distributions
-            t_ids, t_logp = sequence_distributions(self.teacher, record, ids.numel())
+            t_ids, t_logp = sequence_distributions(self.teacher[record["data_dir"]], record, ids.numel())
             at = blocks.positions[0].clamp(max=ids.numel() - 1)
             blocks.teacher_ids, blocks.teacher_logp = t_ids[at][None], t_logp[at][None]
         return ids, blocks.to(self.device)
@@ -327,7 +361,7 @@ class Trainer:
             feats = self.target.forward(ids[None].to(self.device), 0, None,
                                         capture=self.drafter.target_layer_ids, last_only=True).features
             return feats.clone()   # out of inference mode: autograd may save it (fc's input)
-        f = self.store.get(record)
+        f = self.stores[record["data_dir"]].get(record)
         H = self.head.hidden_size
         f = torch.cat([f[:, c * H:(c + 1) * H] for c in self.columns], dim=-1)
         if f.shape[0] < L:   # the final token never has features (it is never a context token)
@@ -619,7 +653,8 @@ class Trainer:
             "",
             "## Data (every response regenerated by the target, greedy, its chat template)",
             f"- {len(self.train_records)} training sequences ({tokens} tokens, {resp} response tokens), "
-            f"{len(self.heldout_records)} held out",
+            f"{len(self.heldout_records)} held out"
+            + (f", from {len(self.data_dirs)} data stages trained together" if len(self.data_dirs) > 1 else ""),
         ] + [f"- {n} from {src}" for src, n in sorted(sources.items())] + [
             "",
             "## Recipe",

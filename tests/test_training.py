@@ -870,6 +870,70 @@ def test_a_config_can_train_on_another_runs_data(tmp_path):
     assert cfg.train_dir == tmp_path / "b" / "train"
 
 
+def test_several_data_folders_train_together_each_sample_from_its_own_folder(tiny_run, tmp_path, capsys):
+    """data_dir as a list trains on several finished data stages at once (no copy of their
+    features): every sample reads its features from the folder that holds it, a sample in two
+    folders trains once, and folders that cannot train one drafter together are refused."""
+    from dflashkit.pipeline import ConfigError, load_config, run_data_stage
+    from dflashkit.trainer import Trainer, split_records
+    root, target = tiny_run
+    first = root / "run" / "data"
+    second = tmp_path / "part2"
+    regenerate(target, _prompts(30)[20:], DataConfig(out_dir=str(second), max_new_tokens=20, batch_size=4,
+                                                     feature_layers=LAYERS), progress=False)
+    spec = {"target": str(root / "target"), "run_dir": str(tmp_path / "mixed"),
+            "data_dir": [str(first), str(second)],
+            "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": MASK},
+            "train": {"epochs": 1, "global_batch": 4, "num_anchors": 6, "heldout": 4, "eval_every": 3,
+                      "threads": 1, "max_steps": 3}}
+    path = tmp_path / "mixed.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    cfg = load_config(path)
+    assert cfg.data_dirs == [first, second]
+    assert run_data_stage(cfg) == first                      # both complete: nothing runs
+    trainer = Trainer(cfg.target, cfg.data_dirs, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
+    everything = trainer.train_records + trainer.heldout_records
+    union = read_samples(first) + read_samples(second)
+    assert sorted(r["id"] for r in everything) == sorted(r["id"] for r in union) == sorted(f"p{i}" for i in range(30))
+    held = split_records([r for r in union if len(r["input_ids"]) - r["prompt_len"] >= 2], 4)[1]
+    assert [r["id"] for r in trainer.heldout_records] == [r["id"] for r in held]
+    for rec in everything:
+        folder = first if int(rec["id"][1:]) < 20 else second
+        assert rec["data_dir"] == str(folder)
+        own = next(r for r in read_samples(folder) if r["id"] == rec["id"])
+        feats = trainer._features(rec, torch.tensor(rec["input_ids"]))[0, :-1]   # the last token has none
+        assert torch.equal(feats, FeatureStore(folder).get(own).float())
+    second_tokens = {t for r in read_samples(second) for t in r["input_ids"][r["prompt_len"]:]}
+    assert second_tokens <= set(trainer.vocab.tolist())
+    trainer.fit()
+    assert all(math.isfinite(float(r.split(",")[3])) for r in (cfg.train_dir / "log.csv").read_text().splitlines()[1:])
+    assert "from 2 data stages trained together" in trainer.model_card()
+    # the same sample in two folders trains once, from the first
+    twice = Trainer(cfg.target, [first, second, first], tmp_path / "twice", cfg.drafter, cfg.train, progress=False)
+    assert len(twice.train_records) + len(twice.heldout_records) == 30
+    assert "20 samples appear in more than one data_dir folder" in capsys.readouterr().err
+    # refused: other stored layers, an unfinished folder, a list with a data section or a repeat
+    other = tmp_path / "other-layers"
+    regenerate(target, _prompts(2), DataConfig(out_dir=str(other), max_new_tokens=4, feature_layers=[0, 2]),
+               progress=False)
+    with pytest.raises(ValueError, match="differ in feature_layers"):
+        Trainer(cfg.target, [first, other], tmp_path / "bad", cfg.drafter, cfg.train, progress=False)
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    with pytest.raises(FileNotFoundError, match="unfinished: the data stage is not complete"):
+        Trainer(cfg.target, [first, unfinished], tmp_path / "bad", cfg.drafter, cfg.train, progress=False)
+    path.write_text(yaml.safe_dump({**spec, "data_dir": [str(first), str(unfinished)]}))
+    with pytest.raises(ConfigError, match="unfinished is not a complete data stage"):
+        run_data_stage(load_config(path))
+    for bad, message in [({"data": {"feature_layers": LAYERS}}, "remove the data section"),
+                         ({"data_dir": [str(first), str(first)]}, "lists a folder twice"),
+                         ({"data_dir": []}, "data_dir must be a folder, or a list"),
+                         ({"data_dir": [str(first), 3]}, "data_dir must be a folder, or a list")]:
+        path.write_text(yaml.safe_dump({**spec, **bad}))
+        with pytest.raises(ConfigError, match=message):
+            load_config(path)
+
+
 def test_teacher_distributions_kept_while_regenerating_equal_a_fresh_forward(tiny_run):
     """The top-k kept from the generation pass are the target's distribution of each response
     token: the same as one forward pass over the finished sample (the backfill path), and
