@@ -174,13 +174,19 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torc
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row loss, hard-label CE and argmax against ``head`` [V, H] without holding all
     logits at once. ``soft_rows``/``soft_p`` [n, k]: teacher rows of ``head`` and their
-    probabilities, mixed in with weight ``distill``."""
+    probabilities, mixed in with weight ``distill``.
+
+    With several chunks each one is recomputed in the backward pass (activation checkpointing),
+    so only one chunk's logits are ever held. With a single chunk that saves nothing (the
+    backward pass would hold those logits anyway) and the recompute costs a second head
+    matmul and softmax, about a seventh of a CPU training step: it runs plainly."""
     losses, hards, preds = [], [], []
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and hidden.shape[0] > chunk
     for s in range(0, hidden.shape[0], chunk):
         part = (hidden[s:s + chunk], head, labels[s:s + chunk],
                 None if soft_rows is None else soft_rows[s:s + chunk],
                 None if soft_p is None else soft_p[s:s + chunk], distill)
-        if torch.is_grad_enabled() and hidden.requires_grad:
+        if recompute:
             loss, hard, pred = checkpoint(_ce_chunk, *part, use_reentrant=False)
         else:
             loss, hard, pred = _ce_chunk(*part)

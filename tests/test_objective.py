@@ -159,6 +159,27 @@ def test_restricted_vocabulary_loss_and_acceptance_estimate(setup):
     assert expected_acceptance_length(torch.tensor([0, 2, 5])) == pytest.approx(1 + 7 / 3)
 
 
+def test_chunked_and_single_chunk_losses_give_the_same_gradients(setup):
+    """Several chunks recompute each chunk's logits in the backward pass; one chunk runs
+    plainly. Both must train identically."""
+    target, drafter, ids, feats, loss_mask = setup
+    drafter, feats = drafter.train(), feats.clone()     # the fixture's features are inference tensors
+    blocks = build_blocks(ids, loss_mask, [torch.tensor([3, 9, 12, 16])], B, MASK, GAMMA)
+    grads = []
+    for chunk in (3, 1024):
+        drafter.zero_grad()
+        out = dflash_loss(drafter, target.embed, target.lm_head.weight, None, feats, blocks,
+                          logits_chunk=chunk)
+        assert out.num_queries > 3                       # chunk 3 really splits the rows
+        out.loss.backward()
+        grads.append((out.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}))
+    drafter.zero_grad()
+    (loss_a, ga), (loss_b, gb) = grads
+    torch.testing.assert_close(loss_a, loss_b, atol=1e-6, rtol=1e-6)
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 @pytest.mark.skipif(not __import__("dflashkit.objective", fromlist=["x"]).flex_available(),
                     reason="flex attention not in this torch")
 def test_flex_attention_path_equals_dense_mask_path(setup):
