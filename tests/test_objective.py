@@ -180,6 +180,29 @@ def test_chunked_and_single_chunk_losses_give_the_same_gradients(setup):
         torch.testing.assert_close(ga[name], gb[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_compiled_cross_entropy_matches_eager(setup):
+    """train.compile_loss runs the head cross-entropy through torch.compile: the same loss and
+    gradients up to rounding, with one chunk and with several (checkpointed) chunks."""
+    target, drafter, ids, feats, loss_mask = setup
+    drafter, feats = drafter.train(), feats.clone()
+    blocks = build_blocks(ids, loss_mask, [torch.tensor([3, 9, 12, 16])], B, MASK, GAMMA)
+    for chunk in (1024, 5):
+        runs = []
+        for compile_ce in (False, True):
+            drafter.zero_grad()
+            out = dflash_loss(drafter, target.embed, target.lm_head.weight, None, feats, blocks,
+                              logits_chunk=chunk, compile_ce=compile_ce)
+            out.loss.backward()
+            runs.append((out.loss.detach(), out.slot_correct,
+                         {n: p.grad.clone() for n, p in drafter.named_parameters()}))
+        drafter.zero_grad()
+        (loss_e, acc_e, g_e), (loss_c, acc_c, g_c) = runs
+        torch.testing.assert_close(loss_c, loss_e, atol=1e-5, rtol=1e-5)
+        assert torch.equal(acc_c, acc_e)
+        for name in g_e:
+            torch.testing.assert_close(g_c[name], g_e[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.skipif(not __import__("dflashkit.objective", fromlist=["x"]).flex_available(),
                     reason="flex attention not in this torch")
 def test_flex_attention_path_equals_dense_mask_path(setup):

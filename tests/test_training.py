@@ -576,6 +576,25 @@ def test_resume_refuses_another_recipe_and_accepts_a_checkpoint_from_before_new_
                 progress=False).try_resume()
 
 
+def test_compile_loss_trains_like_eager_resumes_across_a_switch_and_needs_a_compiler(tiny_run, monkeypatch):
+    """train.compile_loss (the head cross-entropy through torch.compile) changes the speed, not
+    the recipe: the same losses to rounding, a run may resume with it switched, and without a
+    C++ compiler it is refused before anything runs."""
+    from dflashkit.pipeline import load_config
+    from dflashkit.trainer import Trainer
+    root, _ = tiny_run
+    eager, _ = _logged_losses(root, "ce-eager", max_steps=3)
+    compiled, _ = _logged_losses(root, "ce-compiled", max_steps=3, compile_loss=True)
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+    cfg = load_config(_config(root, "ce-compiled", max_steps=4))            # now eager
+    trainer = Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
+    assert trainer.try_resume() and trainer.state.step == 3
+    monkeypatch.setattr("dflashkit.trainer._cxx_compiler", lambda: None)
+    bad = load_config(_config(root, "ce-no-compiler", compile_loss=True))
+    with pytest.raises(ValueError, match="needs a C.. compiler on the CPU"):
+        Trainer(bad.target, bad.data_dir, bad.train_dir, bad.drafter, bad.train, progress=False)
+
+
 def test_train_device_is_checked_before_anything_runs(tiny_run):
     from dflashkit.pipeline import load_config
     from dflashkit.trainer import Trainer, resolve_device
