@@ -16,6 +16,7 @@ tokens the drafter can propose; teacher.py): ``(1 - distill) * CE(label) + disti
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields, replace
 
@@ -168,18 +169,13 @@ def _ce_chunk(hidden, head, labels, soft_rows=None, soft_p=None, distill=0.0):
     return loss, hard.detach(), logits.argmax(-1)
 
 
-_compiled_ce_chunk = None
-
-
+@functools.cache
 def compiled_ce_chunk():
     """``_ce_chunk`` through torch.compile, built once per process for any number of rows. On
     a CPU the head matmul is fast (AMX) and the time goes to passes over the [rows, vocab]
     logits (the float cast, the softmax and their backward), which Inductor fuses: 618 -> 407
     ms per 448 rows x 41,845 tokens on a 2-core Xeon (``benchmarks/ce_compile.py``)."""
-    global _compiled_ce_chunk
-    if _compiled_ce_chunk is None:
-        _compiled_ce_chunk = torch.compile(_ce_chunk, dynamic=True)
-    return _compiled_ce_chunk
+    return torch.compile(_ce_chunk, dynamic=True)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,

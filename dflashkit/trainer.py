@@ -82,7 +82,7 @@ class TrainConfig:
     # slot's loss; 0 is the plain DFlash objective. Needs the teacher stage's output.
     distill: float = 0.0
     # the LM-head cross-entropy through torch.compile (objective.compiled_ce_chunk): on a CPU
-    # about 1.75x faster for that part, the largest of a step; needs a C++ compiler. An
+    # about 1.5x faster for that part, the largest of a step; needs a C++ compiler. An
     # execution choice like device: a run may resume with it switched.
     compile_loss: bool = False
 
