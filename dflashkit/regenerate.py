@@ -230,6 +230,9 @@ def _replay_batch(target: Target, samples: list[tuple[list[int], list[int], dict
             f = store.get(old)[:len(prompt) + len(response) - 1].clone()
             rows.append((response, f, None))
             continue
+        if not layers and not cfg.teacher_top_k:   # nothing to compute: features come online
+            rows.append((response, None, None))
+            continue
         ids = torch.tensor([prompt + response], device=target.device)
         out = target.forward(ids[:, :-1], 0, None, capture=layers, last_only=not cfg.teacher_top_k)
         f = out.features[0].to("cpu", torch.bfloat16, copy=True) if layers else None

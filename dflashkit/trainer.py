@@ -69,6 +69,9 @@ class TrainConfig:
     save_every: int = 20
     logits_chunk: int = 1024
     features: str = "stored"         # "stored" (from the data stage) or "online" (target forward)
+    # the target's dtype for online features: None = the data stage's data.dtype (what stored
+    # features would have been made in); "bfloat16" is ~3x faster on CPUs with AMX
+    target_dtype: str | None = None
     attention: str = "auto"          # "sdpa" (dense mask), "flex" (BlockMask, CUDA only); auto: sdpa
     # "auto": cuda (cuda:LOCAL_RANK under torchrun, NCCL) when torch sees a GPU, else the CPU
     # (gloo); "cpu"; "cuda". Data and features stay on the CPU side and move per sequence.
@@ -267,14 +270,17 @@ class Trainer:
             raise ValueError(f"drafter target_layer_ids {missing} are not in the stored features "
                              f"{self.feature_layers}; pick from those or use train.features: online")
         self.columns = [self.feature_layers.index(j) for j in layer_ids] if cfg.features == "stored" else None
+        # the embedding and LM head the drafter borrows stay fp32 whatever runs the target
+        self.head = load_target_head(target_name)
+        self.embed, head_weight = self.head.embed, self.head.head_weight
         if cfg.features == "online":
+            # the dtype the data stage would have stored features in, unless told otherwise;
             # straight onto the device: a CPU target's packed fast-path weights cannot move
-            self.target = load_target(target_name, progress=False, device=self.device)
-            self.head = self.target
-            self.embed, head_weight = self.target.embed, self.target.lm_head.weight
+            self.target_dtype = cfg.target_dtype or self.meta.get("config", {}).get("dtype", "float32")
+            if self.target_dtype not in ("float32", "bfloat16"):
+                raise ValueError(f"train.target_dtype must be 'float32' or 'bfloat16', got {self.target_dtype!r}")
+            self.target = load_target(target_name, dtype=self.target_dtype, progress=False, device=self.device)
         else:
-            self.head = load_target_head(target_name)
-            self.embed, head_weight = self.head.embed, self.head.head_weight
             self.stores = {str(d): FeatureStore(d) for d in self.data_dirs}
         records = [r for r in read_training_records(self.data_dirs) if len(r["input_ids"]) - r["prompt_len"] >= 2]
         self.train_records, self.heldout_records = split_records(records, cfg.heldout)
@@ -334,8 +340,7 @@ class Trainer:
         # everything a step touches lives on the device; records and stored features stay on
         # the CPU and move one sequence at a time
         self.drafter.to(self.device)
-        if cfg.features != "online":
-            self.head.embedding.to(self.device)
+        self.head.embedding.to(self.device)
         self.vocab_index = vocabulary_index(self.vocab, vocab).to(self.device)
         self.head_rows = head_weight[self.vocab].contiguous().to(self.device)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
@@ -373,7 +378,7 @@ class Trainer:
             # only the captured layers are wanted: logits for one position, not L x vocab
             feats = self.target.forward(ids[None].to(self.device), 0, None,
                                         capture=self.drafter.target_layer_ids, last_only=True).features
-            return feats.clone()   # out of inference mode: autograd may save it (fc's input)
+            return feats.to(torch.float32, copy=True)   # out of inference mode: autograd may save it
         f = self.stores[record["data_dir"]].get(record)
         H = self.head.hidden_size
         f = torch.cat([f[:, c * H:(c + 1) * H] for c in self.columns], dim=-1)

@@ -264,6 +264,14 @@ def test_a_data_folder_imports_with_its_features_and_import_only_generates_nothi
     assert len(passes) == 20
     rec = read_samples(tmp_path / "other")[0]
     assert FeatureStore(tmp_path / "other").get(rec).shape == (len(rec["input_ids"]) - 1, 2 * target.hidden_size)
+    # without stored features (training computes them online) an import needs no target pass
+    bare = DataConfig(out_dir=str(tmp_path / "bare"), max_new_tokens=20, batch_size=4, feature_layers=LAYERS,
+                      store_features=False, teacher_top_k=0, import_samples=str(old_dir), import_only=True)
+    regenerate(target, _prompts(24), bare, progress=False)
+    assert len(passes) == 20
+    assert ({r["id"]: r["input_ids"] for r in read_samples(tmp_path / "bare")}
+            == {r["id"]: r["input_ids"] for r in read_samples(old_dir)})
+    assert all(r["shard"] is None for r in read_samples(tmp_path / "bare"))
     with pytest.raises(ValueError, match="import_only needs data.import_samples"):
         regenerate(target, _prompts(2), DataConfig(out_dir=str(tmp_path / "none"), feature_layers=LAYERS,
                                                    import_only=True), progress=False)
@@ -417,6 +425,13 @@ def test_online_features_train_like_stored_ones(tiny_run):
     losses = {mode: _logged_losses(root, f"features-{mode}", features=mode, max_steps=2)[0][0]
               for mode in ("stored", "online")}
     assert losses["online"] == pytest.approx(losses["stored"], rel=0.02)
+    # the target runs in the data stage's dtype (float32 here) unless train.target_dtype says
+    bf16, trainer = _logged_losses(root, "features-online-bf16", features="online",
+                                   target_dtype="bfloat16", max_steps=2)
+    assert trainer.target.dtype == torch.bfloat16 and trainer.head_rows.dtype == torch.float32
+    assert bf16[0] == pytest.approx(losses["stored"], rel=0.03)
+    with pytest.raises(ValueError, match="train.target_dtype must be"):
+        _logged_losses(root, "features-online-bad", features="online", target_dtype="float16", max_steps=1)
 
 
 def test_a_drafter_warm_started_from_the_target_projects_the_targets_own_context(tiny_run):
