@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from .checkpoint import atomic_write, save_drafter
 from .drafter import DFlashDrafter, config_for_target, init_drafter, warm_start_from_target
+from .fastpath import DTYPES
 from .objective import (Blocks, anchor_candidates, build_blocks, default_gamma, dflash_loss,
                         expected_acceptance_length, sample_anchors, vocabulary_index)
 from .regenerate import FeatureStore, read_samples
@@ -270,16 +271,16 @@ class Trainer:
             raise ValueError(f"drafter target_layer_ids {missing} are not in the stored features "
                              f"{self.feature_layers}; pick from those or use train.features: online")
         self.columns = [self.feature_layers.index(j) for j in layer_ids] if cfg.features == "stored" else None
+        # online: the dtype the data stage would have stored features in, unless told otherwise
+        target_dtype = cfg.target_dtype or self.meta.get("config", {}).get("dtype", "float32")
+        if cfg.features == "online" and target_dtype not in DTYPES:
+            raise ValueError(f"train.target_dtype must be 'float32' or 'bfloat16', got {target_dtype!r}")
         # the embedding and LM head the drafter borrows stay fp32 whatever runs the target
         self.head = load_target_head(target_name)
         self.embed, head_weight = self.head.embed, self.head.head_weight
         if cfg.features == "online":
-            # the dtype the data stage would have stored features in, unless told otherwise;
             # straight onto the device: a CPU target's packed fast-path weights cannot move
-            self.target_dtype = cfg.target_dtype or self.meta.get("config", {}).get("dtype", "float32")
-            if self.target_dtype not in ("float32", "bfloat16"):
-                raise ValueError(f"train.target_dtype must be 'float32' or 'bfloat16', got {self.target_dtype!r}")
-            self.target = load_target(target_name, dtype=self.target_dtype, progress=False, device=self.device)
+            self.target = load_target(target_name, dtype=target_dtype, progress=False, device=self.device)
         else:
             self.stores = {str(d): FeatureStore(d) for d in self.data_dirs}
         records = [r for r in read_training_records(self.data_dirs) if len(r["input_ids"]) - r["prompt_len"] >= 2]
