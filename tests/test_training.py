@@ -157,9 +157,12 @@ def test_imported_samples_keep_their_responses_and_cost_one_forward(tiny_run, tm
     old_dir = root / "run" / "data"
     archive = _gzipped_samples(old_dir, tmp_path / "old.jsonl.gz")
     generated = _record_generation(monkeypatch)
+    postfixes = _record_progress_postfixes(monkeypatch)
     cfg = DataConfig(out_dir=str(tmp_path / "data"), max_new_tokens=20, batch_size=4,
                      feature_layers=LAYERS, import_samples=str(archive))
     regenerate(target, _prompts(24), cfg, progress=False)
+    # The generation rate is shown for the one generated batch only: imports decode nothing.
+    assert [list(p) for p in postfixes] == [["gen_tok_s"]]
     new = {r["id"]: r for r in read_samples(tmp_path / "data")}
     assert sorted(map(tuple, generated)) == sorted(tuple(p["input_ids"]) for p in _prompts(24)[20:])
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
@@ -184,6 +187,19 @@ def test_imported_samples_keep_their_responses_and_cost_one_forward(tiny_run, tm
     with pytest.raises(FileNotFoundError, match="import_samples"):
         regenerate(target, _prompts(2), DataConfig(out_dir=str(tmp_path / "data3"),
                    feature_layers=LAYERS, import_samples=str(tmp_path / "missing.jsonl")), progress=False)
+
+
+def _record_progress_postfixes(monkeypatch) -> list[dict]:
+    """The data stage's progress-bar postfixes, in order."""
+    import dflashkit.regenerate as regen
+    seen, real_tqdm = [], regen.tqdm
+
+    class Recording(real_tqdm):
+        def set_postfix(self, **kwargs):
+            seen.append(kwargs)
+            return super().set_postfix(**kwargs)
+    monkeypatch.setattr(regen, "tqdm", Recording)
+    return seen
 
 
 class _CharTokenizer:
