@@ -364,15 +364,11 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
               f"address (e.g. {stale[0]}); they are {'left out' if cfg.import_only else 'regenerated'}",
               file=sys.stderr)
     bar = tqdm(total=len(todo) + len(replay), disable=not progress, desc="regenerate", unit="sample")
-    tokens, t0 = 0, time.perf_counter()
     teachers = TeacherStore(out)
 
-    def write(batch: list[tuple[dict, list[int]]], rows, generated: bool) -> None:
-        """Shard first, then teacher, then the records (fsynced): a record always has both.
-
-        Only generated responses count towards gen_tok_s: an imported one costs no decoding,
-        and counting it made the rate read millions of tokens a second."""
-        nonlocal shard_index, tokens
+    def write(batch: list[tuple[dict, list[int]]], rows) -> None:
+        """Shard first, then teacher, then the records (fsynced): a record always has both."""
+        nonlocal shard_index
         shard = f"{shard_index:06d}.safetensors"
         if cfg.store_features:
             tensors = {p["id"]: f for (p, _), (_, f, _) in zip(batch, rows)}
@@ -387,28 +383,29 @@ def regenerate(target: Target, prompts: list[dict], cfg: DataConfig, progress: b
             if p["id"] in imported:
                 rec["imported"] = True
             log.write(json.dumps(rec) + "\n")
-            tokens += len(resp) if generated else 0
         log.flush()
         os.fsync(log.fileno())
         shard_index += 1
         bar.update(len(batch))
-        if generated:
-            bar.set_postfix(gen_tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
 
     with samples_path.open("a") as log:
         for b in range(0, len(replay), cfg.batch_size):
             batch = replay[b:b + cfg.batch_size]
             rows = _replay_batch(target, [(ids, resp, old) for _, ids, resp, old in batch], cfg)
-            write([(p, ids) for p, ids, _, _ in batch], rows, generated=False)
-        t0 = time.perf_counter()    # the generation rate starts when generation does
+            write([(p, ids) for p, ids, _, _ in batch], rows)
+        # the rate counts generated responses only, from when generation starts: an imported
+        # response costs no decoding (counted, it made the rate read millions of tok/s)
+        tokens, t0 = 0, time.perf_counter()
         window = cfg.batch_size * 4  # sort a small window by length: less padding, same mix
         with target.batched_attention():
             for w in range(0, len(todo), window):
                 chunk = sorted(todo[w:w + window], key=lambda x: len(x[1]))
                 for b in range(0, len(chunk), cfg.batch_size):
                     batch = chunk[b:b + cfg.batch_size]
-                    write(batch, _generate_batch(target, [ids for _, ids in batch], cfg, stops),
-                          generated=True)
+                    rows = _generate_batch(target, [ids for _, ids in batch], cfg, stops)
+                    write(batch, rows)
+                    tokens += sum(len(resp) for resp, _, _ in rows)
+                    bar.set_postfix(gen_tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
     bar.close()
     records = read_samples(out)
     meta = {"target": target.name, "feature_layers": cfg.feature_layers,
