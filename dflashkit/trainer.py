@@ -60,6 +60,10 @@ class TrainConfig:
     gamma: float | None = None       # default from the block size (7 for 16, 4 for 8)
     max_length: int = 1024
     seed: int = 0
+    # start the seeded sample order this many optimizer steps in: a run that continues an
+    # earlier one (drafter.init = its drafter, same data and seed) trains on the samples that
+    # run did not reach instead of repeating its first ones
+    data_offset_steps: int = 0
     draft_vocab: str = "data"        # "data": score only tokens seen in training; "full"
     heldout: int = 24                # held-out regenerated sequences for the acceptance estimate
     heldout_anchors: int = 32
@@ -318,6 +322,8 @@ class Trainer:
             self.vocab = torch.arange(vocab)
         else:
             raise ValueError(f"train.draft_vocab must be 'data' or 'full', got {cfg.draft_vocab!r}")
+        if cfg.data_offset_steps < 0:
+            raise ValueError(f"train.data_offset_steps must be 0 or more, got {cfg.data_offset_steps}")
         if not 0.0 <= cfg.distill <= 1.0:
             raise ValueError(f"train.distill must be between 0 and 1, got {cfg.distill!r}")
         self.teacher = None
@@ -354,7 +360,7 @@ class Trainer:
 
     # --- batches -------------------------------------------------------------------------
     def step_records(self, step: int) -> list[dict]:
-        epoch, k = divmod(step, self.steps_per_epoch)
+        epoch, k = divmod(step + self.cfg.data_offset_steps, self.steps_per_epoch)
         perm = torch.randperm(len(self.train_records), generator=_seeded(self.cfg.seed, "epoch", epoch))
         G = self.cfg.global_batch
         return [self.train_records[i] for i in perm[k * G:(k + 1) * G].tolist()]

@@ -607,6 +607,27 @@ def test_resume_refuses_another_recipe_and_accepts_a_checkpoint_from_before_new_
                 progress=False).try_resume()
 
 
+def test_a_data_offset_continues_the_sample_order_where_an_earlier_run_stopped(tiny_run):
+    """data_offset_steps=k gives step s the sequences step s+k had, across epoch boundaries, so
+    a continuation trains on samples the earlier run did not reach."""
+    from dflashkit.pipeline import load_config
+    from dflashkit.trainer import Trainer
+    root, _ = tiny_run
+
+    def trainer(**train):
+        cfg = load_config(_config(root, "offset", **train))
+        return Trainer(cfg.target, cfg.data_dir, cfg.train_dir, cfg.drafter, cfg.train, progress=False)
+
+    plain, shifted = trainer(), trainer(data_offset_steps=3)
+    ids = lambda t, s: [r["id"] for r in t.step_records(s)]
+    assert plain.steps_per_epoch > 1
+    for s in range(2 * plain.steps_per_epoch):
+        assert ids(shifted, s) == ids(plain, s + 3)
+    assert ids(shifted, 0) != ids(plain, 0)
+    with pytest.raises(ValueError, match="data_offset_steps must be 0 or more"):
+        trainer(data_offset_steps=-1)
+
+
 def test_compile_loss_trains_like_eager_resumes_across_a_switch_and_needs_a_compiler(tiny_run, monkeypatch):
     """train.compile_loss (the head cross-entropy through torch.compile) changes the speed, not
     the recipe: the same losses to rounding, a run may resume with it switched, and without a
