@@ -686,7 +686,9 @@ class Trainer:
             "## Recipe",
             "- start: " + self._start_line(),
             f"- {cfg.epochs} epochs = {self.total_steps} steps of {cfg.global_batch} sequences; "
-            f"{cfg.num_anchors} anchors per sequence; gamma {self.gamma}; max length {cfg.max_length}",
+            f"{cfg.num_anchors} anchors per sequence; gamma {self.gamma}; max length {cfg.max_length}"
+            + (f"; sample order started {cfg.data_offset_steps} steps in (train.data_offset_steps)"
+               if cfg.data_offset_steps else ""),
             "- objective: "
             + (f"{1 - cfg.distill:g} x CE on the regenerated tokens + {cfg.distill:g} x CE on the "
                f"target's own top-k distributions (distillation)" if cfg.distill

@@ -624,6 +624,8 @@ def test_a_data_offset_continues_the_sample_order_where_an_earlier_run_stopped(t
     for s in range(2 * plain.steps_per_epoch):
         assert ids(shifted, s) == ids(plain, s + 3)
     assert ids(shifted, 0) != ids(plain, 0)
+    assert "sample order started 3 steps in" in shifted.model_card()
+    assert "sample order started" not in plain.model_card()
     with pytest.raises(ValueError, match="data_offset_steps must be 0 or more"):
         trainer(data_offset_steps=-1)
 
