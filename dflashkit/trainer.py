@@ -252,6 +252,8 @@ class Trainer:
             # step needs the same number of sequences on every process
             raise ValueError(f"global_batch ({cfg.global_batch}) must be a multiple of the number "
                              f"of processes ({self.world})")
+        if cfg.data_offset_steps < 0:
+            raise ValueError(f"train.data_offset_steps must be 0 or more, got {cfg.data_offset_steps}")
         if cfg.features not in ("stored", "online"):
             raise ValueError(f"train.features must be 'stored' or 'online', got {cfg.features!r}")
         if cfg.threads:
@@ -322,8 +324,6 @@ class Trainer:
             self.vocab = torch.arange(vocab)
         else:
             raise ValueError(f"train.draft_vocab must be 'data' or 'full', got {cfg.draft_vocab!r}")
-        if cfg.data_offset_steps < 0:
-            raise ValueError(f"train.data_offset_steps must be 0 or more, got {cfg.data_offset_steps}")
         if not 0.0 <= cfg.distill <= 1.0:
             raise ValueError(f"train.distill must be between 0 and 1, got {cfg.distill!r}")
         self.teacher = None
