@@ -237,7 +237,8 @@ def read_training_records(data_dirs: list[Path]) -> list[dict]:
 @dataclass
 class TrainState:
     step: int = 0
-    elapsed_s: float = 0.0
+    elapsed_s: float = 0.0    # optimizer steps only
+    eval_s: float = 0.0       # held-out evaluations, kept apart so throughput stays comparable
     history: list = field(default_factory=list)
 
 
@@ -590,7 +591,9 @@ class Trainer:
                    **{f"acc_{k}": a for k, a in enumerate(m["slot_acc"]) if k > 0}}
             done = self.state.step == last
             if self.heldout_records and (self.state.step % cfg.eval_every == 0 or done):
+                t_eval = time.perf_counter()
                 ev = self.evaluate()
+                self.state.eval_s += time.perf_counter() - t_eval
                 row.update(heldout_loss=ev["heldout_loss"], heldout_tau=ev["heldout_tau"],
                            heldout_walk_tau=ev["heldout_walk_tau"],
                            **{f"heldout_acc_{k}": a for k, a in enumerate(ev["heldout_slot_acc"]) if k > 0})
@@ -616,6 +619,7 @@ class Trainer:
         cfg = self.drafter.config
         cfg.extra["dflashkit"] = {"trained": True, "steps": self.state.step,
                                   "train_seconds": round(self.state.elapsed_s, 1),
+                                  "heldout_eval_seconds": round(self.state.eval_s, 1),
                                   "draft_vocab_size": int(self.vocab.numel())}
         out = save_drafter(self.drafter, path)
         if self.cfg.draft_vocab == "data":
@@ -697,8 +701,9 @@ class Trainer:
             f"{cfg.warmup_ratio:.0%} warmup then cosine, grad clip {cfg.grad_clip}; seed {cfg.seed}",
             f"- features: {cfg.features}; attention: {self.attention}; arithmetic: "
             f"{'bf16 autocast, fp32 master weights' if cfg.autocast == 'bfloat16' else 'fp32'}",
-            f"- training time on this machine: {self.state.elapsed_s / 60:.1f} min "
-            f"({self._hardware()})",
+            f"- training time on this machine: {self.state.elapsed_s / 60:.1f} min of optimizer steps"
+            + (f", plus {self.state.eval_s / 60:.1f} min of held-out evaluations" if self.state.eval_s else "")
+            + f" ({self._hardware()})",
             "",
         ]
         last = None

@@ -572,6 +572,10 @@ def test_heldout_walk_is_tfevals_greedy_walk_and_a_new_log_column_survives_resum
     assert math.isnan(trainer.evaluate()["heldout_walk_tau"])
     card = trainer.model_card()
     assert "along greedy decoding's walk" in card and "CPU cores" in card
+    # the evaluations' time is counted apart from the optimizer steps' and stated beside it
+    assert trainer.state.eval_s > 0 and "min of held-out evaluations" in card
+    trainer.state.eval_s = 0.0
+    assert "held-out evaluations" not in trainer.model_card()
     # the log carries the column; a log written without it is rewritten under it on resume
     log = root / "walk" / "train" / "log.csv"
     header, *rows = log.read_text().splitlines()
