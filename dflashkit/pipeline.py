@@ -67,14 +67,45 @@ class PipelineConfig:
         return self.data_dirs[0]
 
 
-def load_config(path: str | Path) -> PipelineConfig:
-    path = Path(path)
+def _merge(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``: sections merge key by key, anything else (lists too) replaces."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    """One config file as a mapping, its ``base:`` chain merged in (so experiments state only what differs)."""
     if not path.exists():
-        raise ConfigError(f"{path}: no such config file (see configs/ for examples)")
+        where = f" (the base of {chain[-1]})" if chain else ""
+        raise ConfigError(f"{path}: no such config file{where} (see configs/ for examples; a base "
+                          f"is relative to the folder of the config that names it)")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (target, run_dir, data, drafter, "
+                          f"train, ...), got {type(raw).__name__}")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base must be the path of another config file, got {base!r}")
+    base_path = Path(base) if Path(base).is_absolute() else path.parent / base
+    if base_path.resolve() in {p.resolve() for p in chain + (path,)}:
+        names = " -> ".join(str(p) for p in chain + (path, base_path))
+        raise ConfigError(f"{path}: base chain loops back on itself ({names}); remove one base")
+    return _merge(_read_yaml(base_path, chain + (path,)), raw)
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    path = Path(path)
+    raw = _read_yaml(path)
     for key in ("target", "run_dir"):
         if key not in raw:
             raise ConfigError(f"{path}: missing required key {key!r}")

@@ -949,6 +949,43 @@ def test_a_config_can_train_on_another_runs_data(tmp_path):
     assert cfg.train_dir == tmp_path / "b" / "train"
 
 
+def test_a_config_states_only_what_differs_from_its_base(tmp_path):
+    """base: merges another config under this one: sections key by key, lists replaced whole,
+    a chain of bases resolved relative to each file; a missing base or a loop is a clear error."""
+    from dflashkit.pipeline import ConfigError, load_config
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "root.yaml").write_text(yaml.safe_dump({
+        "target": "t", "run_dir": "runs/root",
+        "data": {"num_code": 7, "import_samples": ["a.jsonl", "b.jsonl"]},
+        "train": {"lr": 3e-4, "num_anchors": 64, "epochs": 2}}))
+    (tmp_path / "sub" / "mid.yaml").write_text(yaml.safe_dump({
+        "base": "../root.yaml", "run_dir": "runs/mid", "train": {"lr": 1e-4}}))
+    (tmp_path / "sub" / "leaf.yaml").write_text(yaml.safe_dump({
+        "base": "mid.yaml", "run_dir": "runs/leaf",
+        "data": {"import_samples": ["c.jsonl"]}, "train": {"num_anchors": 128}}))
+    leaf = load_config(tmp_path / "sub" / "leaf.yaml")
+    assert (leaf.target, leaf.run_dir) == ("t", "runs/leaf")
+    assert (leaf.train.lr, leaf.train.num_anchors, leaf.train.epochs) == (1e-4, 128, 2)
+    assert leaf.data.num_code == 7 and leaf.data.import_samples == ["c.jsonl"]
+    assert "base" not in leaf.raw
+    mid = load_config(tmp_path / "sub" / "mid.yaml")
+    assert (mid.train.lr, mid.train.num_anchors, mid.data.import_samples) == (1e-4, 64, ["a.jsonl", "b.jsonl"])
+
+    (tmp_path / "orphan.yaml").write_text(yaml.safe_dump({"base": "gone.yaml", "run_dir": "r"}))
+    with pytest.raises(ConfigError, match="gone.yaml: no such config file .the base of"):
+        load_config(tmp_path / "orphan.yaml")
+    (tmp_path / "x.yaml").write_text(yaml.safe_dump({"base": "y.yaml", "target": "t", "run_dir": "r"}))
+    (tmp_path / "y.yaml").write_text(yaml.safe_dump({"base": "x.yaml"}))
+    with pytest.raises(ConfigError, match="loops back on itself"):
+        load_config(tmp_path / "x.yaml")
+    (tmp_path / "list.yaml").write_text("- target\n- run_dir\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(tmp_path / "list.yaml")
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump({"base": "root.yaml", "train": {"lrr": 1.0}}))
+    with pytest.raises(ConfigError, match="unknown keys .'lrr'"):
+        load_config(tmp_path / "typo.yaml")
+
+
 def test_several_data_folders_train_together_each_sample_from_its_own_folder(tiny_run, tmp_path, capsys):
     """data_dir as a list trains on several finished data stages at once (no copy of their
     features): every sample reads its features from the folder that holds it, a sample in two
