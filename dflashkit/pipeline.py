@@ -81,9 +81,9 @@ def _merge(base: dict, override: dict) -> dict:
 def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     """One config file as a mapping, its ``base:`` chain merged in (so experiments state only what differs)."""
     if not path.exists():
-        where = f" (the base of {chain[-1]})" if chain else ""
-        raise ConfigError(f"{path}: no such config file{where} (see configs/ for examples; a base "
-                          f"is relative to the folder of the config that names it)")
+        where = (f" (the base of {chain[-1]}; a base is relative to the folder of the config that "
+                 f"names it)") if chain else " (see configs/ for examples)"
+        raise ConfigError(f"{path}: no such config file{where}")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -96,7 +96,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
         return raw
     if not isinstance(base, str) or not base:
         raise ConfigError(f"{path}: base must be the path of another config file, got {base!r}")
-    base_path = Path(base) if Path(base).is_absolute() else path.parent / base
+    base_path = path.parent / base   # an absolute base stays as it is
     if base_path.resolve() in {p.resolve() for p in chain + (path,)}:
         names = " -> ".join(str(p) for p in chain + (path, base_path))
         raise ConfigError(f"{path}: base chain loops back on itself ({names}); remove one base")
