@@ -26,6 +26,7 @@ from .lookup import ContextLookup
 from .policy import AdaptiveBlockSize
 from .sampling import SamplingConfig, sample, target_probs
 from .target import Target, TargetError
+from .tree import build_tree, walk_tree
 
 
 class Proposer(Protocol):
@@ -73,8 +74,8 @@ class DFlashProposer:
     def begin(self) -> None:
         self.cache = ContextCache(len(self.drafter.layers))
 
-    @torch.inference_mode()
-    def propose(self, committed, new_features, num_slots, sampling, generator):
+    def _slot_logits(self, committed, new_features, num_slots) -> torch.Tensor:
+        """One drafter pass: logits of slots 1..num_slots over the draft vocabulary."""
         cache = self.cache
         s = committed.shape[-1] - 1          # position of the last committed token (slot 0)
         n_new = new_features.shape[1]
@@ -93,6 +94,11 @@ class DFlashProposer:
             cache=cache)
         logits = self.project(hidden[0, 1:num_slots + 1])
         self.last_logits = logits   # over the draft vocabulary; kept for analysis scripts
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, committed, new_features, num_slots, sampling, generator):
+        logits = self._slot_logits(committed, new_features, num_slots)
         if self.vocab is not None and not sampling.greedy:
             full = logits.new_full((logits.shape[0], self.target.num_embeddings), float("-inf"))
             logits = full.index_copy_(1, self.vocab, logits)
@@ -101,6 +107,15 @@ class DFlashProposer:
             return (best if self.vocab is None else self.vocab[best]), None
         probs = target_probs(logits, sampling)
         return sample(probs, generator), probs
+
+    @torch.inference_mode()
+    def propose_top(self, committed, new_features, num_slots, k):
+        """Each slot's ``k`` most likely tokens (target ids), best first, with their log-probs:
+        what a draft tree (tree.py) is built from."""
+        logits = self._slot_logits(committed, new_features, num_slots).float()
+        top = logits.log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
+        ids = top.indices if self.vocab is None else self.vocab[top.indices]
+        return ids, top.values
 
 
 @dataclass
@@ -208,6 +223,7 @@ def speculative_generate(
     acceptance: str = "match",
     on_commit: Callable[[list[int], int], None] | None = None,
     lookup: ContextLookup | bool = False,
+    tree: int | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens, lossless with respect to ``target``.
 
@@ -223,6 +239,9 @@ def speculative_generate(
         before, verify what followed it (up to block_size - 1 tokens) instead of drafting; the
         drafter catches up on the skipped context at its next pass. With no drafter this is
         prompt lookup decoding on this loop.
+    tree: verify a draft tree of this many drafted tokens per step instead of a chain
+        (tree.py): the best-scoring continuations of the drafter's block, up to block_size - 1
+        deep, all in one target pass. Needs a DFlash drafter and acceptance "match".
     """
     sampling = sampling or SamplingConfig()
     if acceptance not in ("match", "rejection"):
@@ -240,6 +259,19 @@ def speculative_generate(
                           f"the target's context of {target.max_positions} tokens")
     if isinstance(drafter, DFlashDrafter):
         drafter = DFlashProposer(drafter, target)
+    if tree is not None:
+        if isinstance(tree, bool) or not isinstance(tree, int) or tree < 1:
+            raise ValueError(f"tree must be a positive number of drafted tokens, got {tree!r}")
+        if not hasattr(drafter, "propose_top"):
+            raise ValueError("a draft tree needs a DFlash drafter (its per-slot distributions)")
+        if lookup:
+            raise ValueError("a draft tree and lookup cannot be combined; choose one")
+        if block_size == "auto" or isinstance(block_size, AdaptiveBlockSize):
+            raise ValueError("a draft tree sets its own size (tree=N drafted tokens); pass block_size="
+                             "None (the drafter's block bounds its depth) or an integer")
+        if acceptance == "rejection" and not sampling.greedy:
+            raise ValueError("a draft tree verifies with acceptance='match' (the target's own sample "
+                             "picks the branch); rejection sampling over a tree is not implemented")
     if lookup is True:
         lookup = ContextLookup()
     lookup = lookup or None
@@ -314,11 +346,20 @@ def speculative_generate(
         s = len(committed) - 1
         remaining = max_new_tokens - len(generated)
         n_draft, drafting = plan_step(policy, block_size, drafter is not None, remaining)
-        proposals, draft_probs, draft_s = [], None, None
+        proposals, draft_probs, draft_s, dtree = [], None, None, None
         copy = lookup.propose(committed, min(block_size - 1, remaining - 1)) if lookup is not None else []
         if copy:   # verified like a draft, but not the drafter's: kept out of its statistics
             proposals, drafting = copy, False
             stats.lookup_steps += 1
+        elif drafting and tree is not None:
+            t = time.perf_counter()
+            top_ids, top_lp = drafter.propose_top(torch.tensor(committed, device=device), pending,
+                                                  n_draft, tree)
+            dtree = build_tree(committed[-1], top_ids.cpu(), top_lp.cpu(), tree)
+            n_draft = max(dtree.depths)
+            pending = pending[:, :0] if pending is not None else None
+            draft_s = time.perf_counter() - t
+            stats.draft_s += draft_s
         elif drafting:
             t = time.perf_counter()
             # "match" drafts greedily (the most likely proposal is the one most often equal to
@@ -337,10 +378,19 @@ def speculative_generate(
             draft_s = time.perf_counter() - t
             stats.draft_s += draft_s
         t = time.perf_counter()
-        block = torch.tensor([[committed[-1]] + proposals], device=device)
-        out = target.forward(block, s, cache, capture)
+        if dtree is not None:
+            block = torch.tensor([dtree.tokens], device=device)
+            out = target.forward(block, s, cache, capture, attention_mask=dtree.attention_mask(s, device),
+                                 positions=dtree.positions(s, device))
+        else:
+            block = torch.tensor([[committed[-1]] + proposals], device=device)
+            out = target.forward(block, s, cache, capture)
         logits = out.logits[0]
-        if sampling.greedy:
+        rows = None   # block rows of the committed tokens, when not simply the first ones
+        if dtree is not None:
+            path, nxt = walk_tree(dtree, lambda i: pick(logits[i]))
+            a, proposals, rows = len(path), [dtree.tokens[i] for i in path], [0] + path
+        elif sampling.greedy:
             a, nxt = _accept_greedy(proposals, logits)
         elif copy:   # a deterministic draft: matching the target's sample IS rejection sampling
             a, nxt = _accept_match(proposals, logits, sampling, generator)
@@ -374,15 +424,19 @@ def speculative_generate(
         if len(generated) >= max_new_tokens:
             done = True
         # Cache keeps the block tokens that are now committed: positions s .. s+len(new)-1.
-        Target.rollback(cache, s + len(new))
+        if rows is not None:
+            rows = rows[:len(new)]
+            Target.keep(cache, s, rows)
+        else:
+            Target.rollback(cache, s + len(new))
         if out.features is not None:   # context the drafter has not seen yet
-            fresh = out.features[:, :len(new)]
+            fresh = out.features[:, rows] if rows is not None else out.features[:, :len(new)]
             pending = fresh if pending is None or not pending.shape[1] else torch.cat([pending, fresh], 1)
         if policy is not None:
             settle()
         stats.verify_s += time.perf_counter() - t
         stats.acceptance_lengths.append(len(new))
-        stats.verify_sizes.append(len(proposals) + 1)
+        stats.verify_sizes.append(block.shape[1])
         if on_commit:
             on_commit(new, min(a, len(new)))
     stats.decode_s = time.perf_counter() - t_decode

@@ -21,8 +21,9 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+from transformers.cache_utils import DynamicLayer  # noqa: E402
 
-from .fastpath import (ROWWISE_ATTENTION, InPlaceCache, PackedLinear, fast_path_available,  # noqa: E402
+from .fastpath import (ROWWISE_ATTENTION, InPlaceCache, InPlaceLayer, PackedLinear, fast_path_available,  # noqa: E402
                        fuse_mlps, pack_linears, resolve_dtype, unfuse_mlps, unpack_linears)
 
 
@@ -263,6 +264,21 @@ class Target(TargetInfo):
                              attention_mask=attention_mask)
             feats = torch.cat([store[j][-1] for j in layer_ids], dim=-1) if layer_ids else None
         return TargetOutput(logits=out.logits, features=feats)
+
+    @staticmethod
+    def keep(cache: DynamicCache, start: int, rows: list[int]) -> None:
+        """Keep the cache entries at ``start + rows[i]`` as ``start + i`` and drop the rest
+        past ``start``: a draft tree's accepted path (tree.py) moved next to the context."""
+        n = len(rows)
+        if rows != list(range(n)):
+            for layer in cache.layers:
+                if type(layer) not in (DynamicLayer, InPlaceLayer):
+                    raise TargetError(f"draft trees need a full-attention key/value cache; this target's "
+                                      f"cache has {type(layer).__name__} layers: use block decoding")
+                idx = torch.tensor(rows, device=layer.keys.device) + start
+                layer.keys[:, :, start:start + n] = layer.keys[:, :, idx]
+                layer.values[:, :, start:start + n] = layer.values[:, :, idx]
+        Target.rollback(cache, start + n)
 
     @staticmethod
     def rollback(cache: DynamicCache, length: int) -> None:
