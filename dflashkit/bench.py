@@ -46,7 +46,7 @@ class RunResult:
 Method = Callable[[list[int], int, SamplingConfig, list[int]], RunResult]
 
 
-METHOD_FORMS = ("ar, ar-loop, dflash, dflash:B, dflash:auto, dflash+lookup[:B|:auto], lookup[:B], "
+METHOD_FORMS = ("ar, ar-loop, dflash, dflash:B, dflash:auto, dflash-tree[:N], dflash+lookup[:B|:auto], lookup[:B], "
                 "prompt-lookup, assisted:MODEL")
 
 
@@ -61,10 +61,14 @@ def check_method_names(names: list[str]) -> None:
     if not names:
         raise ValueError(f"--methods is empty; choose from {METHOD_FORMS}")
     for name in names:
-        if name in ("ar", "ar-loop", "dflash", "prompt-lookup", "dflash+lookup", "lookup"):
+        if name in ("ar", "ar-loop", "dflash", "dflash-tree", "prompt-lookup", "dflash+lookup", "lookup"):
             continue
         base, spec = _split_method(name)
-        if base in ("dflash", "dflash+lookup"):
+        if base == "dflash-tree":
+            if not (spec.isdigit() and int(spec) >= 1):
+                raise ValueError(f"method {name!r}: N, the drafted tokens each tree verifies, must be "
+                                 f"a positive integer")
+        elif base in ("dflash", "dflash+lookup"):
             if spec != "auto" and not (spec.isdigit() and int(spec) >= 1):
                 raise ValueError(f"method {name!r}: the block size must be a positive integer or 'auto'")
         elif base == "lookup":
@@ -88,8 +92,9 @@ def check_method_names(names: list[str]) -> None:
 
 def make_methods(names: list[str], target: Target, drafter=None, block_size: int | str | None = None,
                  load_assistant: Callable[[str], object] | None = None) -> dict[str, Method]:
-    """Resolve method names: ar, ar-loop, dflash, dflash:B, dflash:auto, prompt-lookup,
-    assisted:MODEL (``load_assistant(name)`` returns a Target, or a bare model)."""
+    """Resolve method names: ar, ar-loop, dflash, dflash:B, dflash:auto, dflash-tree[:N] (a draft
+    tree of N drafted tokens, default the drafter's block size - 1: the chain's verify width, up to
+    that deep), prompt-lookup, assisted:MODEL (``load_assistant(name)`` returns a Target, or a bare model)."""
     check_method_names(names)
     methods: dict[str, Method] = {}
     if drafter is not None and not isinstance(drafter, DFlashProposer):
@@ -108,6 +113,12 @@ def make_methods(names: list[str], target: Target, drafter=None, block_size: int
             copy = base == "dflash+lookup"
             methods[name] = lambda ids, n, s, stops, b=size, c=copy: _from_loop(
                 speculative_generate(target, drafter, ids, n, s, stops, block_size=b, lookup=c))
+        elif base == "dflash-tree":
+            if drafter is None:
+                raise ValueError(f"method {name} needs a drafter (--drafter DIR)")
+            nodes = int(spec or drafter.drafter.block_size - 1)
+            methods[name] = lambda ids, n, s, stops, t=nodes: _from_loop(
+                speculative_generate(target, drafter, ids, n, s, stops, tree=t))
         elif base == "lookup":
             size = int(spec or (drafter.drafter.block_size if drafter is not None else 8))
             methods[name] = lambda ids, n, s, stops, b=size: _from_loop(

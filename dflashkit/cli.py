@@ -139,9 +139,13 @@ def cmd_generate(args) -> int:
     ids = target.encode_prompt(prompt, chat=not args.raw)
     stops = target.stop_token_ids() + list(args.stop_id or [])
     stream = None if args.json else _TerminalStream(target, sys.stdout.isatty())
+    block_size = args.block_size
+    if args.tree is not None and block_size == "auto":   # the CLI default: the tree sizes itself
+        block_size = None
     result = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
-                                  sampling=sampling, stop_token_ids=stops, block_size=args.block_size,
-                                  acceptance=args.acceptance, on_commit=stream, lookup=args.lookup)
+                                  sampling=sampling, stop_token_ids=stops, block_size=block_size,
+                                  acceptance=args.acceptance, on_commit=stream, lookup=args.lookup,
+                                  tree=args.tree)
     st = result.stats
     report = {
         "target": args.target, "drafter": str(drafter_path) if drafter is not None else None,
@@ -211,7 +215,7 @@ def cmd_bench(args) -> int:
     check_method_names(names)
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     drafter_path = args.drafter or shipped_drafter(args.target)
-    wants_drafter = any(n.partition(":")[0] in ("dflash", "dflash+lookup") for n in names)
+    wants_drafter = any(n.partition(":")[0] in ("dflash", "dflash-tree", "dflash+lookup") for n in names)
     if wants_drafter and drafter_path is None:
         raise ValueError(f"method dflash needs a drafter: pass --drafter DIR (no shipped drafter "
                          f"for {args.target})")
@@ -343,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--lookup", action="store_true",
                      help="where the context's last n-gram occurred before, verify what followed it "
                           "instead of a drafter block (copies prompt text; lossless)")
+    gen.add_argument("--tree", type=_positive_int, metavar="N",
+                     help="verify a draft tree of N drafted tokens per step (the best-scoring "
+                          "continuations of the drafter's block, up to --block-size - 1 deep) "
+                          "instead of a chain; N = block size - 1 verifies as many tokens as the chain")
     gen.add_argument("--stop-id", type=int, action="append", help="extra stop token id (repeatable)")
     gen.add_argument("--compare", action="store_true",
                      help="also run plain decoding (HF generate and our loop with B=1)")

@@ -291,6 +291,8 @@ def speculative_generate(
         block_size = trained_block if drafter is not None else 1
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer or 'auto', got {block_size!r}")
+    if tree is not None and block_size < 2:
+        raise ValueError(f"a draft tree needs block_size >= 2 (its depth is block_size - 1), got {block_size}")
     if block_size > 1 and drafter is None and lookup is None:
         raise ValueError("block_size > 1 needs a drafter (or lookup=True); use block_size=1 for "
                          "plain decoding")

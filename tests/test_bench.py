@@ -163,13 +163,14 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
     monkeypatch.setattr("dflashkit.bench.load_suite", lambda s, n, seed: prompts[s])
     monkeypatch.setenv("DFLASHKIT_CACHE", str(tmp_path / "cache"))   # dflash:auto's cost curve
     methods = make_methods(["ar", "ar-loop", "dflash", "dflash:2", "dflash:auto", "prompt-lookup",
-                            "assisted:tiny", "dflash+lookup", "lookup:3"], target, drafter,
+                            "assisted:tiny", "dflash+lookup", "lookup:3", "dflash-tree",
+                            "dflash-tree:9"], target, drafter,
                            block_size=4, load_assistant=lambda name: assistant)
     report = run_bench(target, methods, ["humaneval", "mtbench"], 1, 12, SamplingConfig(), 0, tmp_path,
                        {"target": "tiny"}, progress=False)
     assert report["lossless"], "a method differs from ar at temperature 0"
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
-    assert len(lines) == 9 * 4                      # 9 methods x (1 + 1 + 2 turns)
+    assert len(lines) == 11 * 4                     # 11 methods x (1 + 1 + 2 turns)
     assert {json.loads(x)["method"] for x in lines} == set(methods)
     rows = [json.loads(x) for x in lines]
     for row in rows:                                # every line checked and with its metrics
@@ -186,7 +187,8 @@ def test_smoke_every_method_on_a_tiny_model(tmp_path, monkeypatch):
     checked = [json.loads(x) for x in lines if json.loads(x)["method"] not in ("ar", "ar-loop")]
     assert all(r["identical_to_ar_loop"] is True for r in checked)
     md = (tmp_path / "report.md").read_text()
-    assert "28 of 28 outputs identical" in md
+    assert "36 of 36 outputs identical" in md
+    assert "tau" in report["summary"]["humaneval"]["dflash-tree:9"]
     assert "### mtbench" in md and "| dflash:auto | 2 |" in md and "TTFT" in md   # both turns counted
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
         make_methods(["ar", "dflash:zero"], target, drafter)
@@ -396,6 +398,7 @@ def test_bad_bench_input_is_refused_before_any_model_loads(capsys, monkeypatch):
              (["--methods", "ar,dflash,turbo"], "unknown method 'turbo'"),
              (["--methods", "ar,assisted:"], "names no draft model"),
              (["--methods", "ar,dflash:0"], "positive integer or 'auto'"),
+             (["--methods", "ar,dflash-tree:x"], "must be a positive integer"),
              (["--methods", "dflash,lookup:3"], "must include a baseline"),
              (["--methods", "ar,ar"], "more than once")]
     for extra, message in cases:

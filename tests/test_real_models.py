@@ -40,6 +40,23 @@ def test_cli_generate_with_fresh_drafter_equals_target_greedy(tmp_path, capsys):
     assert "palindrome" in report["text"].lower() or "def " in report["text"]
 
 
+def test_draft_trees_with_the_shipped_drafter_are_lossless(qwen, capsys):
+    """`dflashkit generate --tree N`: the output is the target's own (HF generate and the plain
+    loop), through the CLI and with a wider tree from Python."""
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.cli import shipped_drafter
+    rc = cli_main(["generate", "--target", QWEN, "--prompt", PROMPT, "--max-new-tokens", "48",
+                   "--tree", "7", "--compare", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and len(report["tokens"]) == 48
+    assert report["compare"]["hf_generate"]["identical"] and report["compare"]["ar_loop"]["identical"]
+    assert max(report["verify_sizes"]) == 8 and max(report["acceptance_lengths"]) > 1
+    ids = qwen.encode_prompt("Write a Python function that merges two sorted lists.")
+    plain = speculative_generate(qwen, None, ids, max_new_tokens=64, block_size=1)
+    wide = speculative_generate(qwen, load_drafter(shipped_drafter(QWEN)), ids, max_new_tokens=64, tree=24)
+    assert wide.tokens == plain.tokens and max(wide.stats.verify_sizes) == 25
+
+
 def test_mask_id_and_stop_ids_of_the_real_tokenizer(qwen):
     cfg = config_for_target(qwen, num_layers=1)
     assert cfg.mask_token_id == 151665          # first row after the real vocabulary
@@ -117,6 +134,7 @@ def test_bf16_fast_path_equals_its_plain_loop_on_the_real_model():
     for bs in (8, "auto"):
         assert [speculative_generate(target, drafter, i, max_new_tokens=40, block_size=bs).tokens
                 for i in ids] == plain, bs
+    assert [speculative_generate(target, drafter, i, max_new_tokens=40, tree=7).tokens for i in ids] == plain
     batched = batch_generate(target, drafter, [BatchRequest(i, 40) for i in ids], block_size=4)
     assert [r.tokens for r in batched] == plain
 

@@ -164,6 +164,7 @@ def test_tree_sampling_matches_target_distribution(proposer_kind, sampling):
     ({"tree": True}, "positive number"),
     ({"tree": 4, "block_size": "auto"}, "sets its own size"),
     ({"tree": 4, "lookup": True}, "cannot be combined"),
+    ({"tree": 4, "block_size": 1}, "block_size >= 2"),
     ({"tree": 4, "acceptance": "rejection", "sampling": SamplingConfig(temperature=1.0)}, "match"),
 ])
 def test_bad_tree_arguments_raise_clear_errors(kwargs, match):
