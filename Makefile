@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml requirements.lock
 
 demo: $(STAMP)
 	$(DFK) models prepare $(TARGET)
-	@block=auto; if [ -f checkpoints/$(TARGET)/config.json ]; then \
-		drafter=checkpoints/$(TARGET); \
+	@block="--block-size auto"; if [ -f checkpoints/$(TARGET)/config.json ]; then \
+		drafter=checkpoints/$(TARGET); block="--tree 7"; \
 	else \
 		echo "NOTE: no trained drafter ships yet: using a freshly initialised, UNTRAINED drafter."; \
 		echo "      Its proposals are almost never accepted, so expect NO speedup (a slowdown)."; \
@@ -32,7 +32,7 @@ demo: $(STAMP)
 		[ -f $$drafter/config.json ] || $(DFK) drafter init --target $(TARGET) --out $$drafter --block-size 4; \
 	fi; \
 	$(DFK) generate --target $(TARGET) --drafter $$drafter --prompt "$(DEMO_PROMPT)" \
-		--max-new-tokens 128 --block-size $$block --compare
+		--max-new-tokens 128 $$block --compare
 
 test: $(STAMP)
 	$(DFK) models prepare --quiet $(TARGET) smollm2-135m-instruct

@@ -46,6 +46,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     block_size: int | str | None = None    # "auto", or default: the drafter's (1 without one)
+    tree: int | None = None                # drafted tokens per draft tree (tree.py); None: chains
     fast_path: bool = True                 # prepacked CPU kernels where available (fastpath.py)
     dtype: str = "float32"                 # or bfloat16 (AMX CPUs; README "bf16")
     device: str = "cpu"                    # or cuda / cuda:N: where the target and drafter run
@@ -367,12 +368,22 @@ class Engine:
     def __init__(self, target, drafter=None, block_size: int | None = None, name: str | None = None,
                  max_queue: int = 16, timeout_s: float = 300.0, default_max_tokens: int = 512,
                  generate_fn: Callable | None = None, drafter_path: str | None = None,
-                 max_batch: int = 1):
+                 max_batch: int = 1, tree: int | None = None):
         from .decoding import DFlashProposer, speculative_generate
         from .drafter import DFlashDrafter
         if isinstance(drafter, DFlashDrafter):
             drafter = DFlashProposer(drafter, target)   # checks compatibility before serving
         self.policy = None     # an adaptive block size, shared by every request (it keeps learning)
+        if tree is not None:
+            if isinstance(tree, bool) or not isinstance(tree, int) or tree < 1:
+                raise ValueError(f"--tree must be a positive number of drafted tokens, got {tree!r}")
+            if not isinstance(drafter, DFlashProposer):
+                raise ValueError("--tree needs a DFlash drafter (--drafter DIR)")
+            if max_batch > 1:
+                raise ValueError("draft trees decode one request at a time: use --max-batch 1 with --tree")
+            if block_size == "auto":   # the tree sizes itself; its depth is the drafter's block - 1
+                block_size = None
+        self.tree = tree
         if block_size == "auto":
             if not isinstance(drafter, DFlashProposer):
                 raise ValueError("--block-size auto needs a drafter (--drafter DIR)")
@@ -415,7 +426,7 @@ class Engine:
             log.warning("%s is an UNTRAINED drafter: expect almost no accepted tokens", cfg.drafter)
         return cls(target, drafter, cfg.block_size, cfg.model_name or cfg.target, cfg.max_queue,
                    cfg.timeout_s, cfg.default_max_tokens, drafter_path=cfg.drafter,
-                   max_batch=cfg.max_batch)
+                   max_batch=cfg.max_batch, tree=cfg.tree)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -561,10 +572,11 @@ class Engine:
         req = job.request
         sampling, text, on_commit, stops = self._start(job)
         try:
+            extra = {"tree": self.tree} if self.tree is not None else {}
             result = self.generate_fn(self.target, self.drafter, req.prompt_ids,
                                       max_new_tokens=req.max_tokens, sampling=sampling,
                                       stop_token_ids=stops, block_size=self.policy or self.block_size,
-                                      on_commit=on_commit)
+                                      on_commit=on_commit, **extra)
             reason = "stop" if result.stop_reason == "stop_token" else "length"
         except GenerationAborted as e:
             reason = e.reason
@@ -788,7 +800,7 @@ def _authorized(header: str | None, key: str) -> bool:
 def _model_card(engine: Engine, created: int) -> dict:
     return {"id": engine.name, "object": "model", "created": created, "owned_by": "dflashkit",
             "max_model_len": engine.target.max_positions,
-            "dflash": {"drafter": engine.drafter_path, "block_size": engine.block_size}}
+            "dflash": {"drafter": engine.drafter_path, "block_size": engine.block_size, "tree": engine.tree}}
 
 
 def _check_model(engine: Engine, model: str | None) -> None:
@@ -877,7 +889,7 @@ async def _complete(engine: Engine, request, job: Job, meta: dict, kind: str):
     else:
         choice = {"index": 0, "text": done["text"], "logprobs": None, "finish_reason": done["finish_reason"]}
     return {**meta, "object": kind, "choices": [choice], "usage": _usage(job, done["completion_tokens"]),
-            "dflash": {**job.stats.to_dict(), "block_size": engine.block_size}}
+            "dflash": {**job.stats.to_dict(), "block_size": engine.block_size, "tree": engine.tree}}
 
 
 def _sse(data: dict | str) -> str:
@@ -921,7 +933,7 @@ async def _stream(engine: Engine, job: Job, meta: dict, kind: str, include_usage
                 continue
             finished, done = True, event[1]
             usage = _usage(job, done["completion_tokens"])
-            final = {"usage": usage, "dflash": {**job.stats.to_dict(), "block_size": engine.block_size}}
+            final = {"usage": usage, "dflash": {**job.stats.to_dict(), "block_size": engine.block_size, "tree": engine.tree}}
             yield _sse(chunk(None if chat else "", done["finish_reason"], final))
             if include_usage:
                 yield _sse({**meta, "object": obj, "choices": [], "usage": usage})
@@ -944,6 +956,8 @@ def serve(cfg: ServerConfig) -> None:
     engine = Engine.from_config(cfg)
     app = create_app(engine, cfg.api_key)
     mode = f"adaptive, up to {engine.block_size}" if engine.policy else str(engine.block_size)
+    if engine.tree is not None:
+        mode += f", draft trees of {engine.tree} tokens"
     print(f"dflashkit serve: {engine.name} (block size {mode}) on http://{cfg.host}:{cfg.port}/",
           file=sys.stderr)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
@@ -953,7 +967,7 @@ def cmd_serve(args) -> int:
     serve(ServerConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
                        api_key=args.api_key, max_queue=args.max_queue, fast_path=not args.no_fast_path,
                        dtype=args.dtype, device=args.device,
-                       max_batch=args.max_batch,
+                       max_batch=args.max_batch, tree=args.tree,
                        block_size=args.block_size if args.block_size is not None else (
                            "auto" if args.drafter else None),
                        timeout_s=args.timeout, default_max_tokens=args.default_max_tokens,
@@ -981,6 +995,9 @@ def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_block_size, default=None,
                    help="tokens per verify pass (1 = plain decoding), or auto (the default with a "
                         "drafter): chosen per step from this machine's measured costs")
+    p.add_argument("--tree", type=_positive_int, metavar="N",
+                   help="verify a draft tree of N drafted tokens per step instead of a chain "
+                        "(one request at a time: needs --max-batch 1)")
     p.add_argument("--no-fast-path", action="store_true", help="PyTorch's default CPU kernels")
     add_target_arguments(p)
     p.add_argument("--max-batch", type=_positive_int, default=ServerConfig.max_batch,

@@ -9,6 +9,10 @@ logits) scores a block at EVERY answer position. Walking those counts the way de
 (from the first answer token, each step moves on by the accepted drafts plus the bonus)
 reproduces decoding's acceptance lengths, without a decode (tests/test_real_models.py).
 
+Draft trees (tree.py) are judged the same way: the drafter's per-slot top tokens at every
+anchor (``slot_top_tokens``) give the tree decoding would verify there, and the drafts it
+accepts are the tree walked along the answer (``tree_accepted``).
+
 Two figures come out: tau along that greedy walk (what ``dflashkit generate`` and ``bench``
 report at a fixed block size), and tau averaged over every position, which is higher: decoding
 lands right after each rejection, where the next tokens are harder to guess.
@@ -21,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from .drafter import DFlashDrafter
-from .objective import anchor_candidates, build_blocks, default_gamma, dflash_loss, vocabulary_index
+from .objective import (anchor_candidates, block_attention_mask, build_blocks, default_gamma, dflash_loss,
+                        vocabulary_index)
+from .tree import DraftTree, walk_tree
 
 
 @dataclass
@@ -97,3 +103,34 @@ def acceptance_profile(drafter: DFlashDrafter, target, answers: list[tuple[torch
         tau_greedy_walk=1 + sum(walked) / len(walked) if walked else float("nan"),
         walk_steps=len(walked),
         slot_accuracy=(correct / total.clamp(min=1)).tolist()[1:])
+
+
+@torch.no_grad()
+def slot_top_tokens(drafter: DFlashDrafter, target, ids: torch.Tensor, prompt_len: int,
+                    features: torch.Tensor, k: int):
+    """At every answer position p: the drafter's top-k target ids and log-probs for slots
+    1..B-1 of the block anchored at p, from one training-path pass (what decoding's
+    ``DFlashProposer.propose_top`` gives there). Returns (anchors, ids [n, B-1, k], log-probs)."""
+    L, B = ids.numel(), drafter.block_size
+    if features.shape[1] < L:
+        features = torch.cat([features, features.new_zeros(1, L - features.shape[1], features.shape[2])], 1)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[prompt_len:] = 1
+    anchors = anchor_candidates(loss_mask)
+    blocks = build_blocks(ids[None], loss_mask[None], [anchors], B, drafter.mask_token_id, default_gamma(B))
+    hidden = drafter(target.embed(blocks.ids), features[:, :L].float(), torch.arange(L)[None],
+                     blocks.positions, attn_mask=block_attention_mask(blocks, L))
+    head, _ = proposal_head(drafter, target)
+    logits = (hidden[0] @ head.T).float().reshape(anchors.numel(), B, -1)[:, 1:]
+    top = logits.log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
+    vocab = drafter.draft_vocab
+    return anchors, (top.indices if vocab is None else vocab[top.indices]), top.values
+
+
+def tree_accepted(tree: DraftTree, answer: list[int], anchor: int) -> int:
+    """Drafts of ``tree`` (rooted at ``anchor``) that greedy decoding accepts: the target's
+    choice after each node is the answer's next token."""
+    def choose(node: int) -> int:
+        p = anchor + tree.depths[node] + 1
+        return answer[p] if p < len(answer) else -1
+    return len(walk_tree(tree, choose)[0])

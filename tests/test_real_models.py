@@ -177,3 +177,25 @@ def test_teacher_forced_walk_reproduces_decodings_acceptance_on_the_real_model(q
     assert walk[:len(lengths) - 1] == lengths[:-1]
     profile = acceptance_profile(drafter, qwen, [(seq, len(ids))], [feats])
     assert profile.walk_steps >= len(lengths) - 1 and profile.tau_every_position >= 1.0
+
+
+def test_teacher_forced_tree_walk_reproduces_tree_decoding_on_the_real_model(qwen):
+    """tfeval for draft trees: the tree built from the training-path drafter pass at each anchor,
+    walked along the answer, accepts what tree decoding accepted at every step."""
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.cli import shipped_drafter
+    from dflashkit.tfeval import greedy_walk, slot_top_tokens, tree_accepted
+    from dflashkit.tree import build_tree
+    drafter = load_drafter(shipped_drafter(QWEN))
+    ids = qwen.encode_prompt(PROMPT)
+    res = speculative_generate(qwen, drafter, ids, max_new_tokens=64, tree=10, stop_token_ids=[])
+    seq = torch.tensor(ids + res.tokens)
+    feats = qwen.forward(seq[None], 0, None, capture=drafter.target_layer_ids, last_only=True).features
+    anchors, top_ids, top_lp = slot_top_tokens(drafter, qwen, seq, len(ids), feats, 10)
+    answer = seq.tolist()
+    counts = [tree_accepted(build_tree(answer[a], i, lp, 10), answer, a)
+              for a, i, lp in zip(anchors.tolist(), top_ids, top_lp)]
+    walk = [n + 1 for n in greedy_walk(anchors, torch.tensor(counts))]
+    lengths = res.stats.acceptance_lengths
+    assert sum(lengths) == 63 and max(lengths) > 2
+    assert walk[:len(lengths) - 1] == lengths[:-1]

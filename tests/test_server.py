@@ -610,3 +610,32 @@ def test_loadtest_script_compares_policies_on_live_servers(tiny_dirs, tmp_path):
         assert all(r["errors"] == 0 and r["identical_to_alone"] == 4 and r["tokens_per_s"] > 0
                    for r in rows)
     assert "| max-batch 4 | 4 |" in (tmp_path / "results.md").read_text()
+
+
+def test_draft_trees_through_the_server_equal_plain_decoding(tiny_dirs):
+    """--tree N: each request decodes through draft trees, greedy output is the target's own,
+    and a batched server refuses trees with a clear error."""
+    from dflashkit.checkpoint import load_drafter
+    from dflashkit.target import load_target
+    target_dir, drafter_dir = tiny_dirs
+    with pytest.raises(ValueError, match="--max-batch 1"):
+        Engine.from_config(ServerConfig(target=str(target_dir), drafter=str(drafter_dir), tree=5, max_batch=8))
+    runs = []
+
+    def recorded(*args, **kwargs):
+        result = speculative_generate(*args, **kwargs)
+        runs.append((kwargs.get("tree"), result.stats.verify_sizes))
+        return result
+
+    target = load_target(target_dir, progress=False)
+    engine = Engine(target, load_drafter(drafter_dir), block_size="auto", name="tiny", tree=5,
+                    generate_fn=recorded)
+    assert engine.tree == 5 and engine.policy is None and engine.block_size == 4
+    body = {"model": "tiny", "messages": HI, "max_tokens": 20, "temperature": 0, "stop_token_ids": []}
+    with live_server(engine, None) as url:
+        r = httpx.post(url + CHAT, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    ref = _reference(engine, engine.target.encode_prompt(HI), 20, stop_token_ids=[])
+    assert r.json()["choices"][0]["message"]["content"] == engine.target.decode(ref.tokens)
+    assert r.json()["dflash"]["tree"] == 5
+    assert len(runs) == 1 and runs[0][0] == 5 and max(runs[0][1]) == 6   # 5 drafted tokens + the root
