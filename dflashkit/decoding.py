@@ -26,7 +26,7 @@ from .lookup import ContextLookup
 from .policy import AdaptiveBlockSize
 from .sampling import SamplingConfig, sample, target_probs
 from .target import Target, TargetError
-from .tree import build_tree, walk_tree
+from .tree import build_tree, check_tree_size, walk_tree
 
 
 class Proposer(Protocol):
@@ -260,8 +260,7 @@ def speculative_generate(
     if isinstance(drafter, DFlashDrafter):
         drafter = DFlashProposer(drafter, target)
     if tree is not None:
-        if isinstance(tree, bool) or not isinstance(tree, int) or tree < 1:
-            raise ValueError(f"tree must be a positive number of drafted tokens, got {tree!r}")
+        check_tree_size(tree)
         if not hasattr(drafter, "propose_top"):
             raise ValueError("a draft tree needs a DFlash drafter (its per-slot distributions)")
         if lookup:

@@ -375,8 +375,8 @@ class Engine:
             drafter = DFlashProposer(drafter, target)   # checks compatibility before serving
         self.policy = None     # an adaptive block size, shared by every request (it keeps learning)
         if tree is not None:
-            if isinstance(tree, bool) or not isinstance(tree, int) or tree < 1:
-                raise ValueError(f"--tree must be a positive number of drafted tokens, got {tree!r}")
+            from .tree import check_tree_size
+            check_tree_size(tree)
             if not isinstance(drafter, DFlashProposer):
                 raise ValueError("--tree needs a DFlash drafter (--drafter DIR)")
             if max_batch > 1:
@@ -427,6 +427,10 @@ class Engine:
         return cls(target, drafter, cfg.block_size, cfg.model_name or cfg.target, cfg.max_queue,
                    cfg.timeout_s, cfg.default_max_tokens, drafter_path=cfg.drafter,
                    max_batch=cfg.max_batch, tree=cfg.tree)
+
+    def decoding_mode(self) -> dict:
+        """How requests are decoded, as responses report it."""
+        return {"block_size": self.block_size, "tree": self.tree}
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -800,7 +804,7 @@ def _authorized(header: str | None, key: str) -> bool:
 def _model_card(engine: Engine, created: int) -> dict:
     return {"id": engine.name, "object": "model", "created": created, "owned_by": "dflashkit",
             "max_model_len": engine.target.max_positions,
-            "dflash": {"drafter": engine.drafter_path, "block_size": engine.block_size, "tree": engine.tree}}
+            "dflash": {"drafter": engine.drafter_path, **engine.decoding_mode()}}
 
 
 def _check_model(engine: Engine, model: str | None) -> None:
@@ -889,7 +893,7 @@ async def _complete(engine: Engine, request, job: Job, meta: dict, kind: str):
     else:
         choice = {"index": 0, "text": done["text"], "logprobs": None, "finish_reason": done["finish_reason"]}
     return {**meta, "object": kind, "choices": [choice], "usage": _usage(job, done["completion_tokens"]),
-            "dflash": {**job.stats.to_dict(), "block_size": engine.block_size, "tree": engine.tree}}
+            "dflash": {**job.stats.to_dict(), **engine.decoding_mode()}}
 
 
 def _sse(data: dict | str) -> str:
@@ -933,7 +937,7 @@ async def _stream(engine: Engine, job: Job, meta: dict, kind: str, include_usage
                 continue
             finished, done = True, event[1]
             usage = _usage(job, done["completion_tokens"])
-            final = {"usage": usage, "dflash": {**job.stats.to_dict(), "block_size": engine.block_size, "tree": engine.tree}}
+            final = {"usage": usage, "dflash": {**job.stats.to_dict(), **engine.decoding_mode()}}
             yield _sse(chunk(None if chat else "", done["finish_reason"], final))
             if include_usage:
                 yield _sse({**meta, "object": obj, "choices": [], "usage": usage})

@@ -51,6 +51,22 @@ def greedy_walk(anchors: torch.Tensor, leading: torch.Tensor) -> list[int]:
     return steps
 
 
+def answer_blocks(drafter: DFlashDrafter, ids: torch.Tensor, prompt_len: int, features: torch.Tensor,
+                  block_size: int):
+    """A block anchored at every answer position of ``ids`` (prompt + answer), and ``features``
+    padded to every token (the last token is never context: its features are not needed)."""
+    L = ids.numel()
+    if features.shape[1] < L:
+        pad = features.new_zeros(1, L - features.shape[1], features.shape[2])
+        features = torch.cat([features, pad], dim=1)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[prompt_len:] = 1
+    anchors = anchor_candidates(loss_mask)
+    blocks = build_blocks(ids[None], loss_mask[None], [anchors], block_size, drafter.mask_token_id,
+                          default_gamma(block_size))
+    return anchors, blocks, features[:, :L].float()
+
+
 @torch.no_grad()
 def leading_accepted(drafter: DFlashDrafter, embed, head_weight: torch.Tensor, ids: torch.Tensor,
                      prompt_len: int, features: torch.Tensor, block_size: int | None = None,
@@ -61,16 +77,9 @@ def leading_accepted(drafter: DFlashDrafter, embed, head_weight: torch.Tensor, i
     drafter's target layers. head_weight / vocab_index as ``objective.dflash_loss``.
     Returns (anchors, leading counts, per-slot correct, per-slot total).
     """
-    B = block_size or drafter.block_size
-    L = ids.numel()
-    if features.shape[1] < L:   # the last token is never context: its features are not needed
-        pad = features.new_zeros(1, L - features.shape[1], features.shape[2])
-        features = torch.cat([features, pad], dim=1)
-    loss_mask = torch.zeros_like(ids)
-    loss_mask[prompt_len:] = 1
-    anchors = anchor_candidates(loss_mask)
-    blocks = build_blocks(ids[None], loss_mask[None], [anchors], B, drafter.mask_token_id, default_gamma(B))
-    out = dflash_loss(drafter, embed, head_weight, vocab_index, features[:, :L].float(), blocks)
+    anchors, blocks, features = answer_blocks(drafter, ids, prompt_len, features,
+                                              block_size or drafter.block_size)
+    out = dflash_loss(drafter, embed, head_weight, vocab_index, features, blocks)
     return anchors, out.leading_correct, out.slot_correct, out.slot_total
 
 
@@ -112,13 +121,8 @@ def slot_top_tokens(drafter: DFlashDrafter, target, ids: torch.Tensor, prompt_le
     1..B-1 of the block anchored at p, from one training-path pass (what decoding's
     ``DFlashProposer.propose_top`` gives there). Returns (anchors, ids [n, B-1, k], log-probs)."""
     L, B = ids.numel(), drafter.block_size
-    if features.shape[1] < L:
-        features = torch.cat([features, features.new_zeros(1, L - features.shape[1], features.shape[2])], 1)
-    loss_mask = torch.zeros_like(ids)
-    loss_mask[prompt_len:] = 1
-    anchors = anchor_candidates(loss_mask)
-    blocks = build_blocks(ids[None], loss_mask[None], [anchors], B, drafter.mask_token_id, default_gamma(B))
-    hidden = drafter(target.embed(blocks.ids), features[:, :L].float(), torch.arange(L)[None],
+    anchors, blocks, features = answer_blocks(drafter, ids, prompt_len, features, B)
+    hidden = drafter(target.embed(blocks.ids), features, torch.arange(L)[None],
                      blocks.positions, attn_mask=block_attention_mask(blocks, L))
     head, _ = proposal_head(drafter, target)
     logits = (hidden[0] @ head.T).float().reshape(anchors.numel(), B, -1)[:, 1:]

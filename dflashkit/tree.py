@@ -24,6 +24,12 @@ from dataclasses import dataclass
 import torch
 
 
+def check_tree_size(tree) -> None:
+    """``tree``: a positive number of drafted tokens (checked before any model runs)."""
+    if isinstance(tree, bool) or not isinstance(tree, int) or tree < 1:
+        raise ValueError(f"tree must be a positive number of drafted tokens, got {tree!r}")
+
+
 @dataclass
 class DraftTree:
     """Nodes in verify order (every parent before its children); node 0 is the root, the last
