@@ -64,8 +64,7 @@ def features(target, seqs, layer_ids: list[int], cache: Path | None) -> list[tor
         blob = torch.load(cache)
         if blob["key"] == key:
             return blob["features"]
-    feats = [target.forward(ids[None], 0, None, capture=layer_ids, last_only=True).features.to(torch.bfloat16)
-             for ids, _ in seqs]
+    feats = [target.features(ids[None], layer_ids).to(torch.bfloat16) for ids, _ in seqs]
     if cache is not None:
         atomic_write(cache, lambda tmp: torch.save({"key": key, "features": feats}, tmp))
     return feats

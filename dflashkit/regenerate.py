@@ -234,7 +234,11 @@ def _replay_batch(target: Target, samples: list[tuple[list[int], list[int], dict
             rows.append((response, None, None))
             continue
         ids = torch.tensor([prompt + response], device=target.device)
-        out = target.forward(ids[:, :-1], 0, None, capture=layers, last_only=not cfg.teacher_top_k)
+        if not cfg.teacher_top_k:   # features alone: the pass can stop after the deepest layer
+            f = target.features(ids[:, :-1], layers)[0].to("cpu", torch.bfloat16, copy=True)
+            rows.append((response, f, None))
+            continue
+        out = target.forward(ids[:, :-1], 0, None, capture=layers)
         f = out.features[0].to("cpu", torch.bfloat16, copy=True) if layers else None
         teacher = None
         if cfg.teacher_top_k:   # response token i was picked from the logits at len(prompt)-1+i

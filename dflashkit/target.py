@@ -120,6 +120,10 @@ class TargetInfo:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else str(ids)
 
 
+class _DeepestLayerDone(Exception):
+    """Raised by the capture hook of the deepest wanted layer to end a features() pass."""
+
+
 class Target(TargetInfo):
     """A frozen causal LM with hidden-state capture for the drafter's context."""
 
@@ -217,7 +221,11 @@ class Target(TargetInfo):
             store = self._captured.get(j)
             if store is not None:
                 store.append(output[0] if isinstance(output, tuple) else output)
+            if j == self._stop_after:
+                raise _DeepestLayerDone
         return hook
+
+    _stop_after: int | None = None   # features(): the layer whose output ends the pass
 
     @contextmanager
     def capturing(self, layer_ids: list[int] | None):
@@ -264,6 +272,27 @@ class Target(TargetInfo):
                              attention_mask=attention_mask)
             feats = torch.cat([store[j][-1] for j in layer_ids], dim=-1) if layer_ids else None
         return TargetOutput(logits=out.logits, features=feats)
+
+    @torch.inference_mode()
+    def features(self, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+        """The outputs of ``layer_ids`` for whole sequences [b, q] at positions 0..q-1, no
+        cache, concatenated as ``forward`` does. The pass stops after the deepest of them:
+        training features need neither the layers above it nor logits."""
+        if not layer_ids:
+            raise TargetError("features(): name at least one target layer to capture")
+        b, q = input_ids.shape
+        if q > self.max_positions:
+            raise TargetError(f"sequence of {q} tokens exceeds the target's context ({self.max_positions})")
+        with self.capturing(layer_ids) as store:
+            self._stop_after = max(layer_ids)
+            try:
+                self.model(input_ids=input_ids, position_ids=torch.arange(q, device=input_ids.device).expand(b, q),
+                           use_cache=False, logits_to_keep=1)
+            except _DeepestLayerDone:
+                pass
+            finally:
+                self._stop_after = None
+            return torch.cat([store[j][-1] for j in layer_ids], dim=-1)
 
     @staticmethod
     def keep(cache: DynamicCache, start: int, rows: list[int]) -> None:

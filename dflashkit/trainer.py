@@ -383,9 +383,8 @@ class Trainer:
     def _features(self, record: dict, ids: torch.Tensor) -> torch.Tensor:
         L = ids.numel()
         if self.cfg.features == "online":
-            # only the captured layers are wanted: logits for one position, not L x vocab
-            feats = self.target.forward(ids[None].to(self.device), 0, None,
-                                        capture=self.drafter.target_layer_ids, last_only=True).features
+            # only the captured layers are wanted: the pass stops after the deepest one
+            feats = self.target.features(ids[None].to(self.device), self.drafter.target_layer_ids)
             return feats.to(torch.float32, copy=True)   # out of inference mode: autograd may save it
         f = self.stores[record["data_dir"]].get(record)
         H = self.head.hidden_size

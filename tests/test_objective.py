@@ -260,3 +260,33 @@ def test_distillation_term_is_the_soft_cross_entropy_of_a_naive_loop():
     loss, hard, _ = chunked_cross_entropy(hidden, head, labels, chunk=4, soft_rows=one_hot_rows,
                                           soft_p=one_hot_p, distill=0.7)
     torch.testing.assert_close(loss, hard)
+
+
+def test_features_pass_stops_after_the_deepest_layer_and_equals_the_full_pass(family):
+    """Target.features (training's feature pass) returns exactly what a full forward captures,
+    without running the layers above the deepest captured one; later passes run them all."""
+    from dflashkit.target import TargetError
+    target = tiny_target(family, seed=3, layers=5)
+    ids = torch.randint(3, VOCAB - 2, (2, 17), generator=torch.Generator().manual_seed(0))
+    ran = []
+    hooks = [layer.register_forward_pre_hook(lambda m, i, j=j: ran.append(j))
+             for j, layer in enumerate(target.layers)]
+    try:
+        for layer_ids in ([0, 2], [3, 1], [4]):
+            ran.clear()
+            full = target.forward(ids, 0, None, capture=layer_ids).features
+            assert ran == [0, 1, 2, 3, 4]
+            ran.clear()
+            early = target.features(ids, layer_ids)
+            assert ran == list(range(max(layer_ids) + 1))
+            assert torch.equal(early, full)
+        ran.clear()
+        out = target.forward(ids, 0, None)   # the stop is gone: logits as before
+        assert ran == [0, 1, 2, 3, 4] and out.logits.shape == (2, 17, VOCAB)
+    finally:
+        for h in hooks:
+            h.remove()
+    with pytest.raises(TargetError, match="at least one target layer"):
+        target.features(ids, [])
+    with pytest.raises(TargetError, match="layer"):
+        target.features(ids, [7])

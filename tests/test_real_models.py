@@ -168,6 +168,7 @@ def test_teacher_forced_walk_reproduces_decodings_acceptance_on_the_real_model(q
     res = speculative_generate(qwen, drafter, ids, max_new_tokens=64, block_size=8, stop_token_ids=[])
     seq = torch.tensor(ids + res.tokens)
     feats = qwen.forward(seq[None], 0, None, capture=drafter.target_layer_ids, last_only=True).features
+    assert torch.equal(qwen.features(seq[None], drafter.target_layer_ids), feats)   # training's early-stopped pass
     head, index = proposal_head(drafter, qwen)
     anchors, leading, _, _ = leading_accepted(drafter, qwen.embed, head, seq, len(ids), feats, 8, index)
     walk = [n + 1 for n in greedy_walk(anchors, leading)]

@@ -261,8 +261,9 @@ def test_a_data_folder_imports_with_its_features_and_import_only_generates_nothi
     root, target = tiny_run
     old_dir = root / "run" / "data"
     passes = []
-    real_forward = target.forward
+    real_forward, real_features = target.forward, target.features
     monkeypatch.setattr(target, "forward", lambda *a, **k: passes.append(1) or real_forward(*a, **k))
+    monkeypatch.setattr(target, "features", lambda *a, **k: passes.append(1) or real_features(*a, **k))
     monkeypatch.setattr(regen, "_generate_batch", lambda *a: pytest.fail("import_only generated"))
     cfg = DataConfig(out_dir=str(tmp_path / "same"), max_new_tokens=20, batch_size=4, feature_layers=LAYERS,
                      teacher_top_k=0, import_samples=str(old_dir), import_only=True)
