@@ -32,6 +32,10 @@ from .objective import (Blocks, anchor_candidates, build_blocks, default_gamma, 
 from .regenerate import FeatureStore, read_samples
 from .tfeval import greedy_walk
 
+# memory for held-out features kept across evaluations in online mode (24 sequences of 1024
+# tokens x 5 layers x 896 in bf16 are 220 MB)
+HELDOUT_FEATURE_BYTES = 1 << 30
+
 
 @dataclass
 class DrafterSpec:
@@ -292,6 +296,7 @@ class Trainer:
             self.stores = {str(d): FeatureStore(d) for d in self.data_dirs}
         records = [r for r in read_training_records(self.data_dirs) if len(r["input_ids"]) - r["prompt_len"] >= 2]
         self.train_records, self.heldout_records = split_records(records, cfg.heldout)
+        self._heldout_features: dict[str, torch.Tensor] = {}   # online: each computed once per run
         if not self.train_records:
             raise ValueError(f"{', '.join(map(str, self.data_dirs))}: no usable training samples")
         dcfg = config_for_target(self.head, num_layers=drafter_spec.num_layers,
@@ -393,6 +398,20 @@ class Trainer:
             f = torch.cat([f, f.new_zeros(L - f.shape[0], f.shape[1])])
         return f[:L][None].to(self.device).float()
 
+    def _heldout_feats(self, record: dict, ids: torch.Tensor) -> torch.Tensor:
+        """A held-out sequence's features are the same at every evaluation (and in both of its
+        passes): online, the target computes them once and they are kept in its own dtype
+        (lossless), up to HELDOUT_FEATURE_BYTES in all; past that they are recomputed."""
+        if self.cfg.features != "online":
+            return self._features(record, ids)
+        f = self._heldout_features.get(record["id"])
+        if f is None:
+            f = self.target.features(ids[None].to(self.device), self.drafter.target_layer_ids)
+            kept = sum(t.numel() * t.element_size() for t in self._heldout_features.values())
+            if kept + f.numel() * f.element_size() <= HELDOUT_FEATURE_BYTES:
+                self._heldout_features[record["id"]] = f
+        return f.to(torch.float32, copy=True)
+
     def _plan(self, step: int) -> list[tuple[dict, torch.Tensor, Blocks]]:
         plan = []
         for i, rec in enumerate(self.step_records(step)):
@@ -467,7 +486,7 @@ class Trainer:
             anchors = sample_anchors(lm, self.cfg.heldout_anchors, _seeded(self.cfg.seed, "heldout", i))
             _, blocks = self._blocks(rec, anchors)
             out = dflash_loss(self.drafter, self.embed, self.head_rows, self.vocab_index,
-                              self._features(rec, ids), blocks, logits_chunk=self.cfg.logits_chunk,
+                              self._heldout_feats(rec, ids), blocks, logits_chunk=self.cfg.logits_chunk,
                               attention=self.attention)
             ce += out.weighted_ce_sum
             w += out.weight_sum
@@ -496,7 +515,7 @@ class Trainer:
                 continue
             _, blocks = self._blocks(rec, anchors)
             out = dflash_loss(self.drafter, self.embed, self.head_rows, self.vocab_index,
-                              self._features(rec, ids), blocks, logits_chunk=self.cfg.logits_chunk,
+                              self._heldout_feats(rec, ids), blocks, logits_chunk=self.cfg.logits_chunk,
                               attention=self.attention)
             walked += greedy_walk(anchors, out.leading_correct)
         return walked

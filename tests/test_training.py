@@ -451,6 +451,27 @@ def test_online_features_train_like_stored_ones(tiny_run):
         _logged_losses(root, "features-online-bad", features="online", target_dtype="float16", max_steps=1)
 
 
+def test_online_heldout_features_are_computed_once_per_run(tiny_run, monkeypatch):
+    """Online, every evaluation (loss pass and walk) reuses the held-out features the target
+    computed the first time; the figures equal recomputing them, and past the memory budget
+    they are recomputed."""
+    import dflashkit.trainer as trainer_module
+    root, _ = tiny_run
+    _, trainer = _logged_losses(root, "heldout-once", features="online", max_steps=1, eval_every=10 ** 6)
+    calls = []
+    real = trainer.target.features
+    monkeypatch.setattr(trainer.target, "features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert len(trainer._heldout_features) == len(trainer.heldout_records)   # fit's final evaluation
+    trainer._heldout_features.clear()
+    first = trainer.evaluate()
+    n = len(trainer.heldout_records)
+    assert n > 0 and len(calls) == n
+    assert trainer.evaluate() == first and len(calls) == n
+    monkeypatch.setattr(trainer_module, "HELDOUT_FEATURE_BYTES", 0)
+    trainer._heldout_features.clear()
+    assert trainer.evaluate() == first and len(calls) == n + 2 * n   # loss pass and walk each
+
+
 def test_a_drafter_warm_started_from_the_target_projects_the_targets_own_context(tiny_run):
     """drafter.init: target: with feature layers [0, 2] the drafter's layer is target layer 3
     and its context vectors equal what that layer normalises its own input to."""
