@@ -220,8 +220,8 @@ def _generate_batch(target: Target, prompts: list[list[int]], cfg: DataConfig, s
 def _replay_batch(target: Target, samples: list[tuple[list[int], list[int], dict]], cfg: DataConfig):
     """Features (and teacher top-k) of samples whose response already exists: copied from the
     record's ``store`` (its imported folder's features, when reusable) when there are no teacher
-    distributions to make, else one forward pass over each whole sequence; rows as
-    ``_generate_batch``."""
+    distributions to make, else one forward pass over each whole sequence (stopping after the
+    deepest feature layer when no logits are wanted); rows as ``_generate_batch``."""
     layers = cfg.feature_layers if cfg.store_features else []
     rows = []
     for prompt, response, old in samples:
@@ -240,9 +240,8 @@ def _replay_batch(target: Target, samples: list[tuple[list[int], list[int], dict
             continue
         out = target.forward(ids[:, :-1], 0, None, capture=layers)
         f = out.features[0].to("cpu", torch.bfloat16, copy=True) if layers else None
-        teacher = None
-        if cfg.teacher_top_k:   # response token i was picked from the logits at len(prompt)-1+i
-            teacher = tuple(t.cpu() for t in top_logprobs(out.logits[0, len(prompt) - 1:], cfg.teacher_top_k))
+        # response token i was picked from the logits at len(prompt)-1+i
+        teacher = tuple(t.cpu() for t in top_logprobs(out.logits[0, len(prompt) - 1:], cfg.teacher_top_k))
         rows.append((response, f, teacher))
     return rows
 

@@ -247,6 +247,11 @@ class Target(TargetInfo):
             return InPlaceCache(self.num_layers)
         return DynamicCache(config=self.config)
 
+    def _check_length(self, tokens: int) -> None:
+        if tokens > self.max_positions:
+            raise TargetError(f"sequence of {tokens} tokens exceeds the target's context "
+                              f"({self.max_positions}); shorten the prompt or max_new_tokens")
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, cache: DynamicCache | None,
                 capture: list[int] | None = None, last_only: bool = False,
@@ -262,9 +267,7 @@ class Target(TargetInfo):
         b, q = input_ids.shape
         if positions is None:
             positions = torch.arange(start, start + q, device=input_ids.device).expand(b, q)
-        if int(positions.max()) + 1 > self.max_positions:
-            raise TargetError(f"sequence of {int(positions.max()) + 1} tokens exceeds the target's "
-                              f"context ({self.max_positions}); shorten the prompt or max_new_tokens")
+        self._check_length(int(positions.max()) + 1)
         layer_ids = list(capture or [])
         with self.capturing(layer_ids) as store:
             out = self.model(input_ids=input_ids, position_ids=positions, cache=cache,
@@ -281,8 +284,7 @@ class Target(TargetInfo):
         if not layer_ids:
             raise TargetError("features(): name at least one target layer to capture")
         b, q = input_ids.shape
-        if q > self.max_positions:
-            raise TargetError(f"sequence of {q} tokens exceeds the target's context ({self.max_positions})")
+        self._check_length(q)
         with self.capturing(layer_ids) as store:
             self._stop_after = max(layer_ids)
             try:

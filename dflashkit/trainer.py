@@ -388,15 +388,19 @@ class Trainer:
     def _features(self, record: dict, ids: torch.Tensor) -> torch.Tensor:
         L = ids.numel()
         if self.cfg.features == "online":
-            # only the captured layers are wanted: the pass stops after the deepest one
-            feats = self.target.features(ids[None].to(self.device), self.drafter.target_layer_ids)
-            return feats.to(torch.float32, copy=True)   # out of inference mode: autograd may save it
+            # out of inference mode: autograd may save it
+            return self._target_features(ids).to(torch.float32, copy=True)
         f = self.stores[record["data_dir"]].get(record)
         H = self.head.hidden_size
         f = torch.cat([f[:, c * H:(c + 1) * H] for c in self.columns], dim=-1)
         if f.shape[0] < L:   # the final token never has features (it is never a context token)
             f = torch.cat([f, f.new_zeros(L - f.shape[0], f.shape[1])])
         return f[:L][None].to(self.device).float()
+
+    def _target_features(self, ids: torch.Tensor) -> torch.Tensor:
+        """Online: the target's pass over ``ids``, in its dtype; it stops after the deepest
+        captured layer."""
+        return self.target.features(ids[None].to(self.device), self.drafter.target_layer_ids)
 
     def _heldout_feats(self, record: dict, ids: torch.Tensor) -> torch.Tensor:
         """A held-out sequence's features are the same at every evaluation (and in both of its
@@ -406,7 +410,7 @@ class Trainer:
             return self._features(record, ids)
         f = self._heldout_features.get(record["id"])
         if f is None:
-            f = self.target.features(ids[None].to(self.device), self.drafter.target_layer_ids)
+            f = self._target_features(ids)
             kept = sum(t.numel() * t.element_size() for t in self._heldout_features.values())
             if kept + f.numel() * f.element_size() <= HELDOUT_FEATURE_BYTES:
                 self._heldout_features[record["id"]] = f
